@@ -1,0 +1,34 @@
+# Two commands on a fresh machine with Python 3.11 and pip: `make test`, `make bench`.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+.PHONY: test test-slow test-nojit bench bench-suite lint clean
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -e '.[dev]'
+	touch $(STAMP)
+
+test: $(STAMP)
+	$(PY) -m pytest -q
+	NUMBA_DISABLE_JIT=1 $(PY) -m pytest -q -p no:randomly tests/test_nojit.py
+	$(PY) -m pytest -q benchmarks --benchmark-disable -k "quick"
+
+test-slow: $(STAMP)
+	$(PY) -m pytest -q -m slow
+
+bench: $(STAMP)
+	$(VENV)/bin/mtpstate bench
+
+bench-suite: $(STAMP)
+	$(PY) -m pytest benchmarks
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check mtpstate tests benchmarks
+	$(VENV)/bin/ruff format --check mtpstate tests benchmarks
+
+clean:
+	rm -rf $(VENV) build *.egg-info

@@ -1,0 +1,420 @@
+"""numba kernels: the request-id hash index and the batched scheduler step.
+
+Private. The Python API (``index.py``, ``table.py``) launches these with
+integer arguments only: addresses of Python objects (``id(obj)``, kept alive by
+the caller) and of "context" arrays that hold the addresses and sizes of the
+state arrays. A numba dispatch costs ~100 ns per array argument and far less
+per int, and a step must cost about a microsecond at N = 1.
+
+Every kernel validates its whole input first (pass 1, reading only) and
+mutates only if everything is valid (pass 2), so a rejected call changes
+nothing. Errors come back as a status code; the detail (position, argument)
+is left in the context array for the Python side to turn into a message.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from mtpstate._native import (
+    OFF_ITEMS,
+    OFF_SIZE,
+    OFF_TYPE,
+    bytes_data,
+    fmix,
+    int_value,
+    jit,
+    load_i64,
+    load_u8,
+    load_u64,
+    mix,
+    str_utf8,
+    view_i32,
+    view_i64,
+    view_u64,
+)
+
+# ----------------------------------------------------------------------------
+# status codes
+
+OK = 0
+E_NOT_CANONICAL = 1  # a type the fast path does not take: normalize in Python, retry
+E_KEY_TOO_LONG = 2  # key storage too narrow: widen in Python, retry
+E_STAGE_FULL = 3  # staging buffer too small: grow in Python, retry
+E_NOT_STR = 4
+E_UNKNOWN = 5
+E_DUPLICATE = 6
+E_LIVE = 7
+E_CAPACITY = 8
+E_NCT_RANGE = 9
+E_NEW_NCT_RANGE = 10
+E_TOO_LONG = 11
+E_GROUPS = 12
+E_BLOCK_OVERFLOW = 13
+E_BLOCK_VALUE = 14
+E_TOKEN_VALUE = 15
+E_MAX_TOKENS = 16
+E_LENGTHS = 17
+E_ROW_RANGE = 18
+
+# phases, reported in the error context
+PH_FINISH = 0
+PH_NEW = 1
+PH_CACHED = 2
+
+INT32_MAX = 2147483647
+
+# ----------------------------------------------------------------------------
+# index context: int64 array, one named slot each
+
+IX_SLOTS = 0  # addr int64[table_size]: (hash tag << 32 | row) per slot, -1 empty
+IX_MASK = 1  # table_size - 1
+IX_ROW_HASH = 2  # addr uint64[capacity]
+IX_KEYS = 3  # addr uint64[capacity * key_words]: per row [length, UTF-8 bytes zero padded]
+IX_KW = 4  # key_words
+IX_KEY_LEN = 5  # addr int32[capacity]: key length, -1 = free row
+IX_CAP = 6
+IX_NUM_LIVE = 7
+IX_FREE_HINT = 8  # every row below it is live
+IX_SEED = 9
+IX_HMASK = 10  # hash bits kept (tests force collisions with a small mask)
+IX_ALLOW_BYTES = 11  # set by the generic path for ids without a UTF-8 form
+IX_ERR_POS = 12
+IX_ERR_ARG = 13
+IX_ERR_PHASE = 14
+# Addresses of the builtin types and singletons. They change from process to
+# process (ASLR), so they are read at run time, never frozen into the cached
+# machine code as constants.
+IX_T_LIST = 15
+IX_T_TUPLE = 16
+IX_T_STR = 17
+IX_T_BYTES = 18
+IX_T_INT = 19
+IX_NONE = 20
+IX_TRUE = 21
+IX_SIZE = 24
+
+
+@jit
+def _set_err(ctx, code, pos, arg, phase):
+    ctx[IX_ERR_POS] = pos
+    ctx[IX_ERR_ARG] = arg
+    ctx[IX_ERR_PHASE] = phase
+    return code
+
+
+@jit
+def _pytypes(ctx):
+    return (ctx[IX_T_LIST], ctx[IX_T_TUPLE], ctx[IX_T_STR], ctx[IX_T_BYTES], ctx[IX_T_INT], ctx[IX_NONE], ctx[IX_TRUE])
+
+
+@jit
+def _key_of(obj, allow_bytes, tp):
+    """(UTF-8 address, length, status) of a request id object."""
+    t = load_i64(obj + OFF_TYPE)
+    if t == tp[2]:
+        ptr, n = str_utf8(obj)
+        if ptr == 0:
+            return 0, 0, E_NOT_CANONICAL
+        return ptr, n, OK
+    if allow_bytes != 0 and t == tp[3]:
+        return bytes_data(obj), load_i64(obj + OFF_SIZE), OK
+    return 0, 0, E_NOT_CANONICAL
+
+
+@jit
+def _key_tail(ptr, n):
+    """The last, partial 8-byte word of a key (n % 8 != 0), zero padded."""
+    off = n & ~7
+    rem = n - off
+    if ((ptr + off) & 4095) <= 4088:
+        # a full 8-byte load that stays inside the page of valid bytes cannot
+        # fault; the bytes past the key are masked off
+        return load_u64(ptr + off) & ((np.uint64(1) << np.uint64(8 * rem)) - np.uint64(1))
+    w = np.uint64(0)
+    for b in range(rem):
+        w |= load_u8(ptr + off + b) << np.uint64(8 * b)
+    return w
+
+
+@jit
+def _key_word(ptr, n, i):
+    """The i-th 8-byte little-endian word of the key, zero padded."""
+    if i * 8 + 8 <= n:
+        return load_u64(ptr + i * 8)
+    return _key_tail(ptr, n)
+
+
+@jit
+def _hash_key(ptr, n, seed, hmask):
+    h = np.uint64(seed) ^ (np.uint64(n) * np.uint64(0x100000001B3))
+    nfull = n >> 3
+    for i in range(nfull):
+        h = mix(h, load_u64(ptr + 8 * i))
+    if n & 7:
+        h = mix(h, _key_tail(ptr, n))
+    return fmix(h) & np.uint64(hmask)
+
+
+@jit
+def _raw_equal(p1, n1, p2, n2):
+    if n1 != n2:
+        return False
+    for i in range((n1 + 7) // 8):
+        if _key_word(p1, n1, i) != _key_word(p2, n2, i):
+            return False
+    return True
+
+
+@jit
+def _seq(obj, tp):
+    """(item pointer array, length, ok) of an exact list or tuple."""
+    t = load_i64(obj + OFF_TYPE)
+    if t == tp[0]:
+        return load_i64(obj + OFF_ITEMS), load_i64(obj + OFF_SIZE), True
+    if t == tp[1]:
+        return obj + OFF_ITEMS, load_i64(obj + OFF_SIZE), True
+    return 0, 0, False
+
+
+@jit
+def _item(items, i):
+    return load_i64(items + 8 * i)
+
+
+@jit
+def _int_of(obj, tp):
+    """(value, status) of an exact int; E_NOT_CANONICAL for anything else."""
+    if load_i64(obj + OFF_TYPE) != tp[4]:
+        return 0, E_NOT_CANONICAL
+    v, ok = int_value(obj)
+    if not ok:
+        return 0, E_NOT_CANONICAL
+    return v, OK
+
+
+@jit
+def _ix_arrays(ctx):
+    cap = ctx[IX_CAP]
+    kw = ctx[IX_KW]
+    slots = view_i64(ctx[IX_SLOTS], ctx[IX_MASK] + 1)
+    row_hash = view_u64(ctx[IX_ROW_HASH], cap)
+    keys = view_u64(ctx[IX_KEYS], cap * kw)
+    key_len = view_i32(ctx[IX_KEY_LEN], cap)
+    return slots, row_hash, keys, key_len
+
+
+@jit
+def _slot_entry(h, row):
+    # slot entry: 31 high hash bits as a tag, then the row; -1 = empty
+    return (np.int64(h >> np.uint64(33)) << 32) | np.int64(row)
+
+
+@jit
+def _key_matches_row(keys, kw, r, ptr, n):
+    # keys row layout: [length, word 0, word 1, ...], one row per request
+    base = np.int64(r) * kw
+    if keys[base] != np.uint64(n):
+        return False
+    nfull = n >> 3
+    for i in range(nfull):
+        if keys[base + 1 + i] != load_u64(ptr + 8 * i):
+            return False
+    if n & 7:
+        return keys[base + 1 + nfull] == _key_tail(ptr, n)
+    return True
+
+
+@jit
+def _probe(slots, mask, keys, kw, h, ptr, n):
+    """Row of the key, or -1. Rows are told apart by comparing the keys
+    themselves, never by hash alone."""
+    s = np.int64(h & np.uint64(mask))
+    tag = np.int64(h >> np.uint64(33))
+    while True:
+        e = slots[s]
+        if e < 0:
+            return -1
+        if (e >> 32) == tag:
+            r = e & 0xFFFFFFFF
+            if _key_matches_row(keys, kw, r, ptr, n):
+                return r
+        s = (s + 1) & mask
+
+
+@jit
+def _slot_insert(slots, mask, h, row):
+    s = np.int64(h & np.uint64(mask))
+    while slots[s] >= 0:
+        s = (s + 1) & mask
+    slots[s] = _slot_entry(h, row)
+
+
+@jit
+def _write_key(keys, kw, key_len, row_hash, row, ptr, n, h):
+    base = np.int64(row) * kw
+    keys[base] = n
+    nw = (n + 7) // 8
+    for i in range(nw):
+        keys[base + 1 + i] = _key_word(ptr, n, i)
+    for i in range(nw + 1, kw):
+        keys[base + i] = 0
+    key_len[row] = n
+    row_hash[row] = h
+
+
+@jit
+def _slot_remove_row(slots, mask, row_hash, row):
+    """Remove ``row`` from the table by backward-shift deletion: no
+    tombstones, so lookups do not slow down over insert/remove cycles."""
+    i = np.int64(row_hash[row] & np.uint64(mask))
+    while (slots[i] & 0xFFFFFFFF) != row or slots[i] < 0:
+        i = (i + 1) & mask
+    j = i
+    while True:
+        j = (j + 1) & mask
+        e = slots[j]
+        if e < 0:
+            break
+        k = np.int64(row_hash[e & 0xFFFFFFFF] & np.uint64(mask))
+        # r may move back into the hole at i unless its home k lies
+        # cyclically in (i, j]
+        if i <= j:
+            stays = i < k <= j
+        else:
+            stays = k > i or k <= j
+        if not stays:
+            slots[i] = e
+            i = j
+    slots[i] = -1
+
+
+@jit
+def _ix_free_row(ctx, slots, row_hash, key_len, row):
+    _slot_remove_row(slots, ctx[IX_MASK], row_hash, row)
+    key_len[row] = -1
+    ctx[IX_NUM_LIVE] -= 1
+    if row < ctx[IX_FREE_HINT]:
+        ctx[IX_FREE_HINT] = row
+
+
+# ----------------------------------------------------------------------------
+# RequestIndex kernels
+
+
+@jit
+def ix_find(ctx_addr, ids, out, strict):
+    """Rows of ``ids`` into ``out``; -1 for unknown (or E_UNKNOWN if strict)."""
+    ctx = view_i64(ctx_addr, IX_SIZE)
+    slots, row_hash, keys, key_len = _ix_arrays(ctx)
+    mask = ctx[IX_MASK]
+    kw = ctx[IX_KW]
+    seed = ctx[IX_SEED]
+    hmask = ctx[IX_HMASK]
+    allow = ctx[IX_ALLOW_BYTES]
+    tp = _pytypes(ctx)
+    items, n, ok = _seq(ids, tp)
+    if not ok:
+        return _set_err(ctx, E_NOT_CANONICAL, -1, 0, 0)
+    for i in range(n):
+        ptr, klen, st = _key_of(_item(items, i), allow, tp)
+        if st != OK:
+            return _set_err(ctx, st, i, 0, 0)
+        r = -1
+        if klen <= (kw - 1) * 8:
+            h = _hash_key(ptr, klen, seed, hmask)
+            r = _probe(slots, mask, keys, kw, h, ptr, klen)
+        if r < 0 and strict:
+            return _set_err(ctx, E_UNKNOWN, i, 0, 0)
+        out[i] = r
+    return OK
+
+
+@jit
+def ix_insert(ctx_addr, ids, out):
+    """Insert ``ids`` at the lowest free rows, in order; rows into ``out``."""
+    ctx = view_i64(ctx_addr, IX_SIZE)
+    slots, row_hash, keys, key_len = _ix_arrays(ctx)
+    mask = ctx[IX_MASK]
+    kw = ctx[IX_KW]
+    cap = ctx[IX_CAP]
+    seed = ctx[IX_SEED]
+    hmask = ctx[IX_HMASK]
+    allow = ctx[IX_ALLOW_BYTES]
+    tp = _pytypes(ctx)
+    items, n, ok = _seq(ids, tp)
+    if not ok:
+        return _set_err(ctx, E_NOT_CANONICAL, -1, 0, 0)
+    if n > cap - ctx[IX_NUM_LIVE]:
+        return _set_err(ctx, E_CAPACITY, -1, n, 0)
+    ptrs = np.empty(n, np.int64)
+    lens = np.empty(n, np.int64)
+    hashes = np.empty(n, np.uint64)
+    tsize = 8
+    while tsize < 2 * n:
+        tsize *= 2
+    batch = np.full(tsize, -1, np.int64)  # duplicate detection within the batch
+    need_bytes = 0
+    for i in range(n):
+        ptr, klen, st = _key_of(_item(items, i), allow, tp)
+        if st != OK:
+            return _set_err(ctx, st, i, 0, 0)
+        h = _hash_key(ptr, klen, seed, hmask)
+        if klen > (kw - 1) * 8:
+            # cannot be live; widening is reported only once all else is valid
+            need_bytes = max(need_bytes, klen)
+        elif _probe(slots, mask, keys, kw, h, ptr, klen) >= 0:
+            return _set_err(ctx, E_LIVE, i, 0, 0)
+        s = np.int64(h & np.uint64(tsize - 1))
+        while batch[s] >= 0:
+            j = batch[s]
+            if hashes[j] == h and _raw_equal(ptrs[j], lens[j], ptr, klen):
+                return _set_err(ctx, E_DUPLICATE, i, j, 0)
+            s = (s + 1) & (tsize - 1)
+        batch[s] = i
+        ptrs[i] = ptr
+        lens[i] = klen
+        hashes[i] = h
+    if need_bytes > 0:
+        return _set_err(ctx, E_KEY_TOO_LONG, -1, need_bytes, 0)
+    cursor = ctx[IX_FREE_HINT]
+    for i in range(n):
+        while key_len[cursor] >= 0:
+            cursor += 1
+        _write_key(keys, kw, key_len, row_hash, cursor, ptrs[i], lens[i], hashes[i])
+        _slot_insert(slots, mask, hashes[i], cursor)
+        out[i] = cursor
+        cursor += 1
+    ctx[IX_FREE_HINT] = cursor
+    ctx[IX_NUM_LIVE] += n
+    return OK
+
+
+@jit
+def ix_remove(ctx_addr, ids, out):
+    """Remove live ``ids``; freed rows into ``out`` (-1: was not live)."""
+    ctx = view_i64(ctx_addr, IX_SIZE)
+    st = ix_find(ctx_addr, ids, out, False)
+    if st != OK:
+        return st
+    slots, row_hash, keys, key_len = _ix_arrays(ctx)
+    n = out.shape[0]
+    for i in range(n):
+        r = out[i]
+        if r >= 0:
+            if key_len[r] < 0:  # the same id earlier in this batch
+                out[i] = -1
+            else:
+                _ix_free_row(ctx, slots, row_hash, key_len, r)
+    return OK
+
+
+@jit
+def ix_rehash(ctx_addr):
+    """Rebuild the slot table from the live rows (after a resize)."""
+    ctx = view_i64(ctx_addr, IX_SIZE)
+    slots, row_hash, keys, key_len = _ix_arrays(ctx)
+    slots[:] = -1
+    for r in range(ctx[IX_CAP]):
+        if key_len[r] >= 0:
+            _slot_insert(slots, ctx[IX_MASK], row_hash[r], r)

@@ -1,0 +1,381 @@
+"""Low-level primitives the kernels are built from.
+
+Every primitive exists twice: a plain-Python version (ctypes), used when the
+kernels run as Python under ``NUMBA_DISABLE_JIT=1`` so tests and coverage reach
+them, and a numba overload that compiles to a load, a store or a direct call
+into CPython's C API. The kernels read the scheduler's Python lists in place
+through these, which is what makes a step cheap: no per-element conversion to
+numpy in Python.
+
+Safety contract (the callers in ``_kernels`` keep it):
+- kernels that use these never release the GIL (no ``nogil``);
+- an object address is only dereferenced while the caller holds a reference
+  to the object (the Python wrapper keeps its arguments alive for the call);
+- the type of every object is checked (exact ``list``/``tuple``/``str``/
+  ``int``) before its layout is relied on.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import sys
+
+import numba
+import numpy as np
+from llvmlite import ir
+from numba import types
+from numba.core import cgutils
+from numba.extending import intrinsic, overload
+
+__all__ = ["jit", "JIT_DISABLED"]
+
+JIT_DISABLED = os.environ.get("NUMBA_DISABLE_JIT", "0") not in ("", "0")
+
+_MASK64 = (1 << 64) - 1
+
+
+def jit(fn=None, **kwargs):
+    """The one place that fixes the decorator options of every kernel.
+
+    ``cache=True`` so that a serving process loads compiled kernels from disk
+    (milliseconds) instead of compiling them on its first scheduler step.
+    """
+    options = {"cache": True, "nogil": False, "boundscheck": False, "error_model": "numpy"}
+    options.update(kwargs)
+    if fn is None:
+        return lambda f: numba.njit(**options)(f)
+    return numba.njit(**options)(fn)
+
+
+# Addresses compared against ``ob_type`` (and the singletons). Never use them
+# as compile-time constants: cached machine code outlives the process.
+PY_ADDRESSES = (id(list), id(tuple), id(str), id(bytes), id(int), id(None), id(True))
+
+# Object layout of the (GIL-enabled) CPython builds we support. ``ob_type`` is
+# at 8, ``ob_size`` of variable-size objects at 16, a list's item pointer
+# array at 24 and a tuple's items inline from 24.
+OFF_TYPE = 8
+OFF_SIZE = 16
+OFF_ITEMS = 24
+# Python <= 3.11 stores an int as ob_size (signed digit count) + 30-bit digits;
+# 3.12 changed the layout, so newer versions use PyLong_AsLongLong instead.
+INT_DIRECT = sys.version_info < (3, 12)
+
+# ----------------------------------------------------------------------------
+# pointer loads
+
+
+def load_i64(addr):
+    return ctypes.c_int64.from_address(int(addr)).value
+
+
+def load_u64(addr):
+    return ctypes.c_uint64.from_address(int(addr)).value
+
+
+def load_u32(addr):
+    return ctypes.c_uint32.from_address(int(addr)).value
+
+
+def load_u8(addr):
+    return ctypes.c_uint8.from_address(int(addr)).value
+
+
+def _make_load_intrinsic(bits, signed):
+    ret = types.int64 if signed else getattr(types, f"uint{bits}")
+
+    @intrinsic
+    def _load(typingctx, addr):
+        sig = ret(types.int64)
+
+        def codegen(context, builder, signature, args):
+            ptr = builder.inttoptr(args[0], ir.IntType(bits).as_pointer())
+            val = builder.load(ptr, align=1)
+            if bits < 64:
+                val = builder.zext(val, ir.IntType(64)) if not signed else builder.sext(val, ir.IntType(64))
+            return val
+
+        return sig, codegen
+
+    return _load
+
+
+_ld_i64 = _make_load_intrinsic(64, True)
+_ld_u64 = _make_load_intrinsic(64, False)
+_ld_u32 = _make_load_intrinsic(32, False)
+_ld_u8 = _make_load_intrinsic(8, False)
+
+
+@overload(load_i64, inline="always")
+def _ov_load_i64(addr):
+    return lambda addr: _ld_i64(addr)
+
+
+@overload(load_u64, inline="always")
+def _ov_load_u64(addr):
+    return lambda addr: _ld_u64(addr)
+
+
+@overload(load_u32, inline="always")
+def _ov_load_u32(addr):
+    return lambda addr: np.uint64(_ld_u32(addr))
+
+
+@overload(load_u8, inline="always")
+def _ov_load_u8(addr):
+    return lambda addr: np.uint64(_ld_u8(addr))
+
+
+# ----------------------------------------------------------------------------
+# numpy views over raw addresses (state arrays are passed as addresses: a numba
+# dispatch costs ~100 ns per array argument and ~20 ns per int argument)
+
+
+def _py_view(ctype, addr, n):
+    n = int(n)
+    if n == 0:
+        return np.empty(0, dtype=np.dtype(ctype))
+    return np.ctypeslib.as_array((ctype * n).from_address(int(addr)))
+
+
+def view_i32(addr, n):
+    return _py_view(ctypes.c_int32, addr, n)
+
+
+def view_i64(addr, n):
+    return _py_view(ctypes.c_int64, addr, n)
+
+
+def view_u64(addr, n):
+    return _py_view(ctypes.c_uint64, addr, n)
+
+
+def _make_ptr_intrinsic(nbtype, bits):
+    @intrinsic
+    def _ptr(typingctx, addr):
+        sig = types.CPointer(nbtype)(types.int64)
+
+        def codegen(context, builder, signature, args):
+            return builder.inttoptr(args[0], ir.IntType(bits).as_pointer())
+
+        return sig, codegen
+
+    return _ptr
+
+
+_ptr_i32 = _make_ptr_intrinsic(types.int32, 32)
+_ptr_i64 = _make_ptr_intrinsic(types.int64, 64)
+_ptr_u64 = _make_ptr_intrinsic(types.uint64, 64)
+
+
+@overload(view_i32, inline="always")
+def _ov_view_i32(addr, n):
+    return lambda addr, n: numba.carray(_ptr_i32(addr), n)
+
+
+@overload(view_i64, inline="always")
+def _ov_view_i64(addr, n):
+    return lambda addr, n: numba.carray(_ptr_i64(addr), n)
+
+
+@overload(view_u64, inline="always")
+def _ov_view_u64(addr, n):
+    return lambda addr, n: numba.carray(_ptr_u64(addr), n)
+
+
+# ----------------------------------------------------------------------------
+# CPython C API, called directly from the kernels (the GIL is held)
+
+_api = ctypes.pythonapi
+_api.PyUnicode_AsUTF8AndSize.argtypes = [ctypes.c_void_p, ctypes.POINTER(ctypes.c_ssize_t)]
+_api.PyUnicode_AsUTF8AndSize.restype = ctypes.c_void_p
+_api.PyLong_AsLongLong.argtypes = [ctypes.c_void_p]
+_api.PyLong_AsLongLong.restype = ctypes.c_longlong
+_api.PyBytes_AsString.argtypes = [ctypes.c_void_p]
+_api.PyBytes_AsString.restype = ctypes.c_void_p
+_api.PyErr_Clear.argtypes = []
+_api.PyErr_Clear.restype = None
+
+
+def str_utf8(obj):
+    """(address of the UTF-8 bytes, length) of an exact str; (0, 0) if it has
+    no UTF-8 form (lone surrogates). The bytes are cached on the object by
+    CPython and live as long as it does."""
+    size = ctypes.c_ssize_t(0)
+    try:
+        ptr = _api.PyUnicode_AsUTF8AndSize(int(obj), ctypes.byref(size))
+    except UnicodeEncodeError:
+        return 0, 0
+    return (ptr or 0), size.value
+
+
+def bytes_data(obj):
+    """Address of an exact bytes object's data."""
+    return _api.PyBytes_AsString(int(obj))
+
+
+def int_value(obj):
+    """Value of an exact int as int64; (value, False) when out of range."""
+    if INT_DIRECT:
+        size = load_i64(obj + OFF_SIZE)
+        if size == 0:
+            return 0, True
+        if size == 1:
+            return load_u32(obj + OFF_ITEMS), True
+        if size == -1:
+            return -load_u32(obj + OFF_ITEMS), True
+        if size == 2:
+            return load_u32(obj + OFF_ITEMS) | (load_u32(obj + OFF_ITEMS + 4) << 30), True
+    try:
+        return _api.PyLong_AsLongLong(int(obj)), True
+    except OverflowError:
+        return 0, False
+
+
+_I8P = ir.IntType(8).as_pointer()
+_I64 = ir.IntType(64)
+
+
+@intrinsic
+def _capi_utf8(typingctx, obj):
+    sig = types.UniTuple(types.int64, 2)(types.int64)
+
+    def codegen(context, builder, signature, args):
+        fnty = ir.FunctionType(_I8P, [_I8P, _I64.as_pointer()])
+        fn = cgutils.get_or_insert_function(builder.module, fnty, "PyUnicode_AsUTF8AndSize")
+        size = cgutils.alloca_once_value(builder, ir.Constant(_I64, 0))
+        res = builder.call(fn, [builder.inttoptr(args[0], _I8P), size])
+        tup = [builder.ptrtoint(res, _I64), builder.load(size)]
+        return context.make_tuple(builder, signature.return_type, tup)
+
+    return sig, codegen
+
+
+@intrinsic
+def _capi_bytes(typingctx, obj):
+    sig = types.int64(types.int64)
+
+    def codegen(context, builder, signature, args):
+        fnty = ir.FunctionType(_I8P, [_I8P])
+        fn = cgutils.get_or_insert_function(builder.module, fnty, "PyBytes_AsString")
+        return builder.ptrtoint(builder.call(fn, [builder.inttoptr(args[0], _I8P)]), _I64)
+
+    return sig, codegen
+
+
+@intrinsic
+def _capi_aslonglong(typingctx, obj):
+    sig = types.int64(types.int64)
+
+    def codegen(context, builder, signature, args):
+        fnty = ir.FunctionType(_I64, [_I8P])
+        fn = cgutils.get_or_insert_function(builder.module, fnty, "PyLong_AsLongLong")
+        return builder.call(fn, [builder.inttoptr(args[0], _I8P)])
+
+    return sig, codegen
+
+
+@intrinsic
+def _capi_err_occurred_clear(typingctx):
+    """Clear a pending exception; returns 1 if one was set."""
+    sig = types.int64()
+
+    def codegen(context, builder, signature, args):
+        occ = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_I8P, []), "PyErr_Occurred")
+        clr = cgutils.get_or_insert_function(
+            builder.module, ir.FunctionType(ir.VoidType(), []), "PyErr_Clear"
+        )
+        res = builder.call(occ, [])
+        isset = builder.icmp_unsigned("!=", res, ir.Constant(_I8P, None))
+        with builder.if_then(isset):
+            builder.call(clr, [])
+        return builder.zext(isset, _I64)
+
+    return sig, codegen
+
+
+@overload(str_utf8)
+def _ov_str_utf8(obj):
+    def impl(obj):
+        ptr, size = _capi_utf8(obj)
+        if ptr == 0:
+            _capi_err_occurred_clear()
+            return 0, 0
+        return ptr, size
+
+    return impl
+
+
+@overload(bytes_data, inline="always")
+def _ov_bytes_data(obj):
+    return lambda obj: _capi_bytes(obj)
+
+
+@overload(int_value)
+def _ov_int_value(obj):
+    if INT_DIRECT:
+
+        def impl(obj):
+            size = _ld_i64(obj + OFF_SIZE)
+            if size == 1:
+                return np.int64(_ld_u32(obj + OFF_ITEMS)), True
+            if size == 0:
+                return np.int64(0), True
+            if size == -1:
+                return -np.int64(_ld_u32(obj + OFF_ITEMS)), True
+            if size == 2:
+                lo = np.int64(_ld_u32(obj + OFF_ITEMS))
+                hi = np.int64(_ld_u32(obj + OFF_ITEMS + 4))
+                return lo | (hi << 30), True
+            v = _capi_aslonglong(obj)
+            if v == -1 and _capi_err_occurred_clear() == 1:
+                return np.int64(0), False
+            return v, True
+
+        return impl
+
+    def impl_api(obj):
+        v = _capi_aslonglong(obj)
+        if v == -1 and _capi_err_occurred_clear() == 1:
+            return np.int64(0), False
+        return v, True
+
+    return impl_api
+
+
+# ----------------------------------------------------------------------------
+# 64-bit hashing of key bytes (our own hash: independent of PYTHONHASHSEED and
+# of whether Python has cached the str's hash)
+
+_M1 = 0x9E3779B97F4A7C15
+_M2 = 0xBF58476D1CE4E5B9
+
+
+def mix(h, w):
+    h = ((int(h) ^ int(w)) * _M1) & _MASK64
+    return h ^ (h >> 29)
+
+
+def fmix(h):
+    h = int(h)
+    h = ((h ^ (h >> 31)) * _M2) & _MASK64
+    return h ^ (h >> 32)
+
+
+@overload(mix, inline="always")
+def _ov_mix(h, w):
+    def impl(h, w):
+        x = (np.uint64(h) ^ np.uint64(w)) * np.uint64(_M1)
+        return x ^ (x >> np.uint64(29))
+
+    return impl
+
+
+@overload(fmix, inline="always")
+def _ov_fmix(h):
+    def impl(h):
+        x = (np.uint64(h) ^ (np.uint64(h) >> np.uint64(31))) * np.uint64(_M2)
+        return x ^ (x >> np.uint64(32))
+
+    return impl

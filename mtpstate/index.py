@@ -1,0 +1,263 @@
+"""RequestIndex: request id -> row, with no Python dict.
+
+An open-addressing hash table (linear probing, backward-shift deletion) kept
+in numpy arrays and driven by the kernels in ``_kernels``. Keys are the ids'
+UTF-8 bytes, read in place from the str objects and stored per row, so a row is
+only ever returned after comparing the ids themselves (request ids can come
+from clients: a crafted hash collision must not hand one request another's
+row).
+"""
+
+from __future__ import annotations
+
+import operator
+import os
+from collections.abc import Iterable
+
+import numpy as np
+
+from mtpstate import _kernels as K
+from mtpstate._native import PY_ADDRESSES
+from mtpstate.errors import (
+    CapacityError,
+    DuplicateRequestError,
+    StateError,
+    UnknownRequestError,
+)
+
+__all__ = ["RequestIndex"]
+
+_HASH_BITS_ALL = (1 << 63) - 1
+
+
+def _pow2_at_least(n: int) -> int:
+    size = 8
+    while size < n:
+        size *= 2
+    return size
+
+
+def canonical_ids(req_ids, what: str = "request id") -> list:
+    """The ids as a list of exact str (bytes for ids with no UTF-8 form), or
+    StateError. This is the generic path's conversion; the fast path reads
+    lists and tuples of exact str in place."""
+    if isinstance(req_ids, (str, bytes)):
+        raise StateError(f"expected a sequence of {what}s, got a single {type(req_ids).__name__}")
+    if isinstance(req_ids, np.ndarray):
+        req_ids = req_ids.tolist()
+    out = []
+    for x in req_ids:
+        if not isinstance(x, str):
+            raise StateError(f"{what} must be str, got {type(x).__name__} {x!r}")
+        s = str.__str__(x)
+        try:
+            s.encode("utf-8")
+        except UnicodeEncodeError:
+            # lone surrogates: key on their surrogatepass bytes
+            out.append(s.encode("utf-8", "surrogatepass"))
+            continue
+        out.append(s)
+    return out
+
+
+def key_text(key) -> str:
+    return key.decode("utf-8", "surrogatepass") if isinstance(key, bytes) else key
+
+
+class RequestIndex:
+    """Map str request ids to rows ``0..capacity-1``; every call is batched.
+
+    Rows are assigned lowest-free-first, so processes fed the same sequence of
+    calls (tensor-parallel ranks) assign the same rows whatever their
+    ``PYTHONHASHSEED``. A call that raises :class:`~mtpstate.StateError`
+    leaves the index exactly as it was.
+
+    Parameters
+    ----------
+    capacity : int
+        Number of rows.
+    seed : int, optional
+        Seed of the key hash. Rows never depend on it; a random seed (the
+        default) makes the probe sequence unpredictable to clients that pick
+        their own request ids.
+    """
+
+    def __init__(self, capacity: int, *, seed: int | None = None, _hash_bits: int = 63):
+        capacity = operator.index(capacity)
+        if capacity <= 0:
+            raise ValueError(f"capacity must be positive, got {capacity}")
+        if not 0 <= _hash_bits <= 63:
+            raise ValueError("_hash_bits must be in [0, 63]")
+        if seed is None:
+            seed = int.from_bytes(os.urandom(8), "little") & _HASH_BITS_ALL
+        self._capacity = capacity
+        tsize = _pow2_at_least(2 * capacity)
+        # the kernels see these arrays only through their addresses in _ctx:
+        # they must stay referenced here for as long as the index lives
+        self._slots = np.full(tsize, -1, np.int64)  # [table_size]
+        self._row_hash = np.zeros(capacity, np.uint64)  # [capacity]
+        self._key_words = 8  # a length word, then 56 bytes of id; widened on demand
+        self._keys = np.zeros(capacity * self._key_words, np.uint64)  # [capacity * key_words]
+        self._key_len = np.full(capacity, -1, np.int32)  # [capacity]
+        self._ctx = np.zeros(K.IX_SIZE, np.int64)
+        c = self._ctx
+        c[K.IX_SLOTS] = self._slots.ctypes.data
+        c[K.IX_MASK] = tsize - 1
+        c[K.IX_ROW_HASH] = self._row_hash.ctypes.data
+        c[K.IX_KEYS] = self._keys.ctypes.data
+        c[K.IX_KW] = self._key_words
+        c[K.IX_KEY_LEN] = self._key_len.ctypes.data
+        c[K.IX_CAP] = capacity
+        c[K.IX_SEED] = seed & _HASH_BITS_ALL
+        c[K.IX_HMASK] = (1 << _hash_bits) - 1
+        c[K.IX_T_LIST : K.IX_TRUE + 1] = PY_ADDRESSES
+        self._ctx_addr = int(c.ctypes.data)
+
+    # -- internals -------------------------------------------------------
+
+    def _widen_keys(self, min_bytes: int) -> None:
+        """Grow the per-row key storage to hold ``min_bytes``-byte ids."""
+        kw = self._key_words
+        new_kw = kw
+        while (new_kw - 1) * 8 < min_bytes:
+            new_kw *= 2
+        keys = np.zeros((self._capacity, new_kw), np.uint64)
+        keys[:, :kw] = self._keys.reshape(self._capacity, kw)
+        self._keys = keys.reshape(-1)
+        self._key_words = new_kw
+        self._ctx[K.IX_KEYS] = self._keys.ctypes.data
+        self._ctx[K.IX_KW] = new_kw
+
+    def _run(self, kernel, ids, *args):
+        """Launch ``kernel`` on ``ids``; on a type it does not take, retry on
+        the canonical form (the generic path)."""
+        canonical = False
+        while True:
+            status = kernel(self._ctx_addr, id(ids), *args)
+            if status == K.OK:
+                return ids
+            if status == K.E_KEY_TOO_LONG:
+                self._widen_keys(int(self._ctx[K.IX_ERR_ARG]))
+                continue
+            if status == K.E_NOT_CANONICAL and not canonical:
+                ids = canonical_ids(ids)
+                canonical = True
+                self._ctx[K.IX_ALLOW_BYTES] = 1
+                try:
+                    return self._run_canonical(kernel, ids, *args)
+                finally:
+                    self._ctx[K.IX_ALLOW_BYTES] = 0
+            self._raise(status, ids)
+
+    def _run_canonical(self, kernel, ids, *args):
+        while True:
+            status = kernel(self._ctx_addr, id(ids), *args)
+            if status == K.OK:
+                return ids
+            if status == K.E_KEY_TOO_LONG:
+                self._widen_keys(int(self._ctx[K.IX_ERR_ARG]))
+                continue
+            self._raise(status, ids)
+
+    def _raise(self, status: int, ids) -> None:
+        pos = int(self._ctx[K.IX_ERR_POS])
+        arg = int(self._ctx[K.IX_ERR_ARG])
+        rid = key_text(ids[pos]) if pos >= 0 else None
+        if status == K.E_UNKNOWN:
+            raise UnknownRequestError(rid)
+        if status == K.E_LIVE:
+            raise DuplicateRequestError(f"request id {rid!r} is already live (row {self.find([rid])[0]})")
+        if status == K.E_DUPLICATE:
+            raise DuplicateRequestError(f"request id {rid!r} appears twice in the batch (positions {arg} and {pos})")
+        if status == K.E_CAPACITY:
+            raise CapacityError(f"cannot insert {arg} ids: only {self._capacity - len(self)} of {self._capacity} rows are free")
+        raise StateError(f"internal error: kernel status {status} at position {pos}")  # pragma: no cover
+
+    @staticmethod
+    def _as_list(req_ids):
+        if type(req_ids) is list or type(req_ids) is tuple:
+            return req_ids
+        if isinstance(req_ids, (str, bytes)):
+            raise StateError(f"expected a sequence of request ids, got a single {type(req_ids).__name__}")
+        if isinstance(req_ids, Iterable):
+            return list(req_ids)
+        raise StateError(f"expected a sequence of request ids, got {type(req_ids).__name__}")
+
+    # -- public API ------------------------------------------------------
+
+    @property
+    def capacity(self) -> int:
+        """Number of rows."""
+        return self._capacity
+
+    def __len__(self) -> int:
+        return int(self._ctx[K.IX_NUM_LIVE])
+
+    def __contains__(self, req_id) -> bool:
+        if not isinstance(req_id, str):
+            return False
+        return bool(self.find((req_id,))[0] >= 0)
+
+    def insert(self, req_ids) -> np.ndarray:
+        """Insert ids at the lowest free rows, in input order.
+
+        Returns
+        -------
+        np.ndarray[int32]
+            The rows assigned, in input order.
+
+        Raises
+        ------
+        DuplicateRequestError
+            An id is already live, or appears twice in ``req_ids``.
+        CapacityError
+            More ids than free rows.
+        StateError
+            A non-str id.
+        """
+        req_ids = self._as_list(req_ids)
+        out = np.empty(len(req_ids), np.int32)
+        self._run(K.ix_insert, req_ids, out)
+        return out
+
+    def lookup(self, req_ids) -> np.ndarray:
+        """Rows of live ids; :class:`~mtpstate.UnknownRequestError` names the
+        first id that is not live."""
+        req_ids = self._as_list(req_ids)
+        out = np.empty(len(req_ids), np.int32)
+        self._run(K.ix_find, req_ids, out, True)
+        return out
+
+    def find(self, req_ids) -> np.ndarray:
+        """Rows of ids, -1 for ids that are not live."""
+        req_ids = self._as_list(req_ids)
+        out = np.empty(len(req_ids), np.int32)
+        self._run(K.ix_find, req_ids, out, False)
+        return out
+
+    def remove(self, req_ids) -> np.ndarray:
+        """Remove ids; returns the rows freed, -1 for ids that were not live
+        (ignored, as an engine sees aborts of requests it never scheduled)."""
+        req_ids = self._as_list(req_ids)
+        out = np.empty(len(req_ids), np.int32)
+        self._run(K.ix_remove, req_ids, out)
+        return out
+
+    def req_id(self, row: int) -> str | None:
+        """The id living in ``row``, or None if the row is free."""
+        row = operator.index(row)
+        if not 0 <= row < self._capacity:
+            raise StateError(f"row {row} out of range [0, {self._capacity})")
+        n = int(self._key_len[row])
+        if n < 0:
+            return None
+        kw = self._key_words
+        raw = self._keys[row * kw + 1 : (row + 1) * kw].tobytes()[:n]
+        return raw.decode("utf-8", "surrogatepass")
+
+    def live_rows(self) -> np.ndarray:
+        """Rows in use, ascending."""
+        return np.flatnonzero(self._key_len >= 0).astype(np.int32)
+
+    def __repr__(self) -> str:
+        return f"RequestIndex(capacity={self._capacity}, live={len(self)})"
