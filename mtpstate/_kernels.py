@@ -92,6 +92,7 @@ IX_T_BYTES = 18
 IX_T_INT = 19
 IX_NONE = 20
 IX_TRUE = 21
+IX_FALSE = 22
 IX_SIZE = 24
 
 
@@ -105,7 +106,9 @@ def _set_err(ctx, code, pos, arg, phase):
 
 @jit
 def _pytypes(ctx):
-    return (ctx[IX_T_LIST], ctx[IX_T_TUPLE], ctx[IX_T_STR], ctx[IX_T_BYTES], ctx[IX_T_INT], ctx[IX_NONE], ctx[IX_TRUE])
+    return (
+        ctx[IX_T_LIST], ctx[IX_T_TUPLE], ctx[IX_T_STR], ctx[IX_T_BYTES], ctx[IX_T_INT], ctx[IX_NONE], ctx[IX_TRUE], ctx[IX_FALSE]
+    )
 
 
 @jit

@@ -50,7 +50,7 @@ def jit(fn=None, **kwargs):
 
 # Addresses compared against ``ob_type`` (and the singletons). Never use them
 # as compile-time constants: cached machine code outlives the process.
-PY_ADDRESSES = (id(list), id(tuple), id(str), id(bytes), id(int), id(None), id(True))
+PY_ADDRESSES = (id(list), id(tuple), id(str), id(bytes), id(int), id(None), id(True), id(False))
 
 # Object layout of the (GIL-enabled) CPython builds we support. ``ob_type`` is
 # at 8, ``ob_size`` of variable-size objects at 16, a list's item pointer

@@ -110,7 +110,7 @@ class RequestIndex:
         c[K.IX_CAP] = capacity
         c[K.IX_SEED] = seed & _HASH_BITS_ALL
         c[K.IX_HMASK] = (1 << _hash_bits) - 1
-        c[K.IX_T_LIST : K.IX_TRUE + 1] = PY_ADDRESSES
+        c[K.IX_T_LIST : K.IX_FALSE + 1] = PY_ADDRESSES
         self._ctx_addr = int(c.ctypes.data)
 
     # -- internals -------------------------------------------------------

@@ -19,3 +19,29 @@ def test_jit_is_disabled():
     from mtpstate import _kernels
 
     assert not hasattr(_kernels.ix_find, "signatures")
+
+
+def test_table_differential_nojit():
+    from helpers import assert_tables_agree
+
+    from mtpstate import RequestTable
+    from mtpstate.reference import LoopRequestTable
+    from mtpstate.sim import Simulator
+
+    cfg = dict(max_num_reqs=12, max_model_len=256, block_sizes=(16, 32))
+    for mode in ("new", "cached"):
+        sim = Simulator(**cfg, num_spec=2, accept=0.5, preempt_prob=0.3, abort_prob=0.2, abort_waiting_prob=0.2,
+                        prefix_hit_prob=0.3, remote_kv_prob=0.3, resume_mode=mode, prompt_len=(1, 80),
+                        output_len=(1, 30), seed=2)
+        fast, loop = RequestTable(**cfg), LoopRequestTable(**cfg)
+        for so in sim.run(25):
+            fast.apply(so)
+            loop.apply(so)
+            assert_tables_agree(fast, loop)
+
+
+def test_table_bad_steps_nojit():
+    from test_table import BAD_STEPS, test_bad_step_changes_nothing
+
+    for name in sorted(BAD_STEPS):
+        test_bad_step_changes_nothing(name)

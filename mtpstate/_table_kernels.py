@@ -1,0 +1,546 @@
+"""numba kernel that applies one scheduler step to a RequestTable.
+
+Private; launched by ``RequestTable`` (table.py) with integer arguments only:
+the addresses of the index and table contexts and of the scheduler's Python
+lists (0 = absent). Pass 1 reads everything and validates it against the state
+as the step would leave it; pass 2 mutates, and also appends every changed
+element (flat position, value) to the staging buffers of the device mirror
+when that is on. Nothing is written before pass 1 has accepted the whole step.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from mtpstate._kernels import (
+    E_BLOCK_OVERFLOW,
+    E_BLOCK_VALUE,
+    E_CAPACITY,
+    E_DUPLICATE,
+    E_GROUPS,
+    E_KEY_TOO_LONG,
+    E_LENGTHS,
+    E_MAX_TOKENS,
+    E_NCT_RANGE,
+    E_NEW_NCT_RANGE,
+    E_NOT_CANONICAL,
+    E_STAGE_FULL,
+    E_TOKEN_VALUE,
+    E_TOO_LONG,
+    E_UNKNOWN,
+    INT32_MAX,
+    IX_ALLOW_BYTES,
+    IX_CAP,
+    IX_FREE_HINT,
+    IX_HMASK,
+    IX_KW,
+    IX_MASK,
+    IX_NUM_LIVE,
+    IX_SEED,
+    IX_SIZE,
+    OK,
+    PH_CACHED,
+    PH_FINISH,
+    PH_NEW,
+    _hash_key,
+    _int_of,
+    _item,
+    _ix_arrays,
+    _ix_free_row,
+    _key_matches_row,
+    _key_of,
+    _probe,
+    _pytypes,
+    _raw_equal,
+    _seq,
+    _slot_insert,
+    _write_key,
+)
+from mtpstate._native import jit, view_i32, view_i64
+
+# per-row int32 fields of the state array, [NUM_FIELDS, max_num_reqs]
+F_NCT = 0  # num_computed_tokens
+F_NCPT = 1  # num_computed_prefill_tokens
+F_PREFILL = 2  # prefill_len
+F_PROMPT = 3  # prompt_len
+F_MAXSEQ = 4  # max_seq_len
+F_NB = 5  # num_blocks of group g at F_NB + g
+
+# table context slots
+TB_STATE = 0  # addr int32[F_NB + ng, R]
+TB_R = 1
+TB_NG = 2
+TB_BT_ADDR = 3  # addr int64[ng]: address of each group's block table [R, W_g]
+TB_BT_W = 4  # addr int64[ng]: W_g
+TB_TOK = 5  # addr int32[R, L]
+TB_L = 6
+TB_PREV_OBJ = 7  # addr int64[R]: id objects of the previous update, by position
+TB_PREV_ROW = 8  # addr int32[R]: their rows (-1 once freed)
+TB_ROW_PREV_POS = 9  # addr int32[R]: position of each row in the previous update
+TB_PREV_N = 10
+TB_SCR = 11  # addr int32[NUM_SCR, R] scratch
+TB_STAMP = 12
+TB_ERR_POS = 13
+TB_ERR_ARG = 14
+TB_ERR_PHASE = 15
+TB_STG_POS = 16  # addr int64[cap]: flat positions of changed elements
+TB_STG_VAL = 17  # addr int32[cap]: their values
+TB_STG_CAP = 18
+TB_STG_N = 19
+TB_STG_ON = 20
+TB_FLAT_BT = 21  # addr int64[ng]: flat offset of each block table
+TB_FLAT_TOK = 22  # flat offset of token_ids; -1: not mirrored
+TB_SIZE = 24
+
+# scratch rows
+S_ROWS = 0  # cached position -> row
+S_NCT = 1  # cached position -> num_computed_tokens
+S_FREE = 2  # stamp: row freed by this step
+S_SEEN = 3  # stamp: row updated by this step
+S_REDIRECT = 4  # freed row -> row its id is re-added at, -1
+S_NEW = 5  # stamp: row assigned to a new request by this step
+S_NEWPOS = 6  # row -> index of that new request
+S_FREED = 7  # list of freed rows
+S_NEWROW = 8  # new request index -> row
+S_PRIOR = 9  # new request index -> its live row before the step, -1
+NUM_SCR = 10 + 0  # + ng rows of per-new-request block counts (S_NB0 + g)
+S_NB0 = 10
+
+
+def num_scratch_rows(ng):
+    return S_NB0 + ng
+
+
+@jit
+def _err(tb, code, pos, arg, phase):
+    tb[TB_ERR_POS] = pos
+    tb[TB_ERR_ARG] = arg
+    tb[TB_ERR_PHASE] = phase
+    return code
+
+
+@jit
+def _check_tokens(seq, tp):
+    """(count, status) of a list of token ids, each an int in [0, 2**31)."""
+    items, n, ok = _seq(seq, tp)
+    if not ok:
+        return 0, E_NOT_CANONICAL
+    for j in range(n):
+        v, st = _int_of(_item(items, j), tp)
+        if st != OK:
+            return 0, st
+        if v < 0 or v > INT32_MAX:
+            return 0, E_TOKEN_VALUE
+    return n, OK
+
+
+@jit
+def _check_group(seq, tp):
+    """(count, status) of one group's block ids, each an int in [0, 2**31)."""
+    items, n, ok = _seq(seq, tp)
+    if not ok:
+        return 0, E_NOT_CANONICAL
+    for j in range(n):
+        v, st = _int_of(_item(items, j), tp)
+        if st != OK:
+            return 0, st
+        if v < 0 or v > INT32_MAX:
+            return j, E_BLOCK_VALUE
+    return n, OK
+
+
+@jit
+def _write_group(seq, tp, bt, w, row, start, staging, stg_pos, stg_val, ns, flat):
+    """Write one group's block ids into ``bt[row, start:]``; returns the
+    number of staged elements."""
+    items, n, ok = _seq(seq, tp)
+    base = np.int64(row) * w + start
+    for j in range(n):
+        v, st = _int_of(_item(items, j), tp)
+        bt[base + j] = v
+        if staging:
+            stg_pos[ns] = flat + base + j
+            stg_val[ns] = v
+            ns += 1
+    return ns
+
+
+@jit
+def tb_step(ixc, tbc, fin, nid, nplen, npre, nblk, nnct, nmax, cid, cnct, cblk, cres):
+    ix = view_i64(ixc, IX_SIZE)
+    tb = view_i64(tbc, TB_SIZE)
+    tp = _pytypes(ix)
+    slots, row_hash, keys, key_len = _ix_arrays(ix)
+    mask = ix[IX_MASK]
+    kw = ix[IX_KW]
+    seed = ix[IX_SEED]
+    hmask = ix[IX_HMASK]
+    allow = ix[IX_ALLOW_BYTES]
+    R = tb[TB_R]
+    ng = tb[TB_NG]
+    L = tb[TB_L]
+    state = view_i32(tb[TB_STATE], (F_NB + ng) * R)
+    bt_addr = view_i64(tb[TB_BT_ADDR], ng)
+    bt_w = view_i64(tb[TB_BT_W], ng)
+    tok = view_i32(tb[TB_TOK], R * L)
+    prev_obj = view_i64(tb[TB_PREV_OBJ], R)
+    prev_row = view_i32(tb[TB_PREV_ROW], R)
+    row_prev_pos = view_i32(tb[TB_ROW_PREV_POS], R)
+    prev_n = tb[TB_PREV_N]
+    scr = view_i32(tb[TB_SCR], (S_NB0 + ng) * R)
+    staging = tb[TB_STG_ON] != 0
+    stg_cap = tb[TB_STG_CAP]
+    stg_pos = view_i64(tb[TB_STG_POS], stg_cap)
+    stg_val = view_i32(tb[TB_STG_VAL], stg_cap)
+    flat_bt = view_i64(tb[TB_FLAT_BT], ng)
+    flat_tok = tb[TB_FLAT_TOK]
+    stamp = tb[TB_STAMP] + 1
+    tb[TB_STAMP] = stamp
+    O_ROWS = S_ROWS * R
+    O_NCT = S_NCT * R
+    O_FREE = S_FREE * R
+    O_SEEN = S_SEEN * R
+    O_RED = S_REDIRECT * R
+    O_NEW = S_NEW * R
+    O_NEWPOS = S_NEWPOS * R
+    O_FREED = S_FREED * R
+    O_NEWROW = S_NEWROW * R
+    O_PRIOR = S_PRIOR * R
+    O_NB = S_NB0 * R
+    need_bytes = 0
+    nstage = 0
+
+    # ---------------- pass 1: read and validate, write nothing -------------
+    # finish: finished_req_ids | preempted_req_ids; unknown ids are ignored
+    nfreed = 0
+    min_freed = R
+    if fin != 0:
+        items, n, ok = _seq(fin, tp)
+        if not ok:
+            return _err(tb, E_NOT_CANONICAL, -1, 0, PH_FINISH)
+        for i in range(n):
+            ptr, klen, st = _key_of(_item(items, i), allow, tp)
+            if st != OK:
+                return _err(tb, st, i, 0, PH_FINISH)
+            if klen > (kw - 1) * 8:
+                continue
+            h = _hash_key(ptr, klen, seed, hmask)
+            r = _probe(slots, mask, keys, kw, h, ptr, klen)
+            if r >= 0 and scr[O_FREE + r] != stamp:
+                scr[O_FREE + r] = stamp
+                scr[O_RED + r] = -1
+                scr[O_FREED + nfreed] = r
+                nfreed += 1
+                min_freed = min(min_freed, r)
+
+    # new requests: a live id is removed first (re-sent request)
+    nn = 0
+    new_ptr = np.empty(0, np.int64)
+    new_len = np.empty(0, np.int64)
+    new_hash = np.empty(0, np.uint64)
+    new_tab = np.empty(0, np.int64)
+    ntab_mask = 0
+    if nid != 0:
+        items, nn, ok = _seq(nid, tp)
+        i_plen, n1, ok1 = _seq(nplen, tp)
+        i_pre, n2, ok2 = _seq(npre, tp)
+        i_blk, n3, ok3 = _seq(nblk, tp)
+        i_nct, n4, ok4 = _seq(nnct, tp)
+        i_max, n5, ok5 = _seq(nmax, tp)
+        if not (ok and ok1 and ok2 and ok3 and ok4 and ok5):
+            return _err(tb, E_NOT_CANONICAL, -1, 0, PH_NEW)
+        if n1 != nn or n2 != nn or n3 != nn or n4 != nn or n5 != nn:
+            return _err(tb, E_LENGTHS, -1, 0, PH_NEW)
+        if nn > R:
+            return _err(tb, E_CAPACITY, -1, nn, PH_NEW)
+        new_ptr = np.empty(nn, np.int64)
+        new_len = np.empty(nn, np.int64)
+        new_hash = np.empty(nn, np.uint64)
+        tsize = 8
+        while tsize < 2 * nn:
+            tsize *= 2
+        ntab_mask = tsize - 1
+        new_tab = np.full(tsize, -1, np.int64)
+        for k in range(nn):
+            ptr, klen, st = _key_of(_item(items, k), allow, tp)
+            if st != OK:
+                return _err(tb, st, k, 0, PH_NEW)
+            h = _hash_key(ptr, klen, seed, hmask)
+            s = np.int64(h & np.uint64(ntab_mask))
+            while new_tab[s] >= 0:
+                j = new_tab[s]
+                if new_hash[j] == h and _raw_equal(new_ptr[j], new_len[j], ptr, klen):
+                    return _err(tb, E_DUPLICATE, k, j, PH_NEW)
+                s = (s + 1) & ntab_mask
+            new_tab[s] = k
+            new_ptr[k] = ptr
+            new_len[k] = klen
+            new_hash[k] = h
+            prior = -1
+            if klen > (kw - 1) * 8:
+                need_bytes = max(need_bytes, klen)
+            else:
+                prior = _probe(slots, mask, keys, kw, h, ptr, klen)
+            scr[O_PRIOR + k] = prior
+            if prior >= 0 and scr[O_FREE + prior] != stamp:
+                scr[O_FREE + prior] = stamp
+                scr[O_RED + prior] = -1
+                scr[O_FREED + nfreed] = prior
+                nfreed += 1
+                min_freed = min(min_freed, prior)
+            # payload
+            plen, st = _int_of(_item(i_plen, k), tp)
+            if st != OK:
+                return _err(tb, st, k, 0, PH_NEW)
+            npf, st = _check_tokens(_item(i_pre, k), tp)
+            if st != OK:
+                return _err(tb, st, k, 0, PH_NEW)
+            if plen < 0 or plen > L or npf > L:
+                return _err(tb, E_TOO_LONG, k, max(plen, npf), PH_NEW)
+            nct, st = _int_of(_item(i_nct, k), tp)
+            if st != OK:
+                return _err(tb, st, k, 0, PH_NEW)
+            if nct < 0 or nct > npf:
+                return _err(tb, E_NEW_NCT_RANGE, k, nct, PH_NEW)
+            mt, st = _int_of(_item(i_max, k), tp)
+            if st != OK:
+                return _err(tb, st, k, 0, PH_NEW)
+            if mt < 0 or plen + mt > INT32_MAX:
+                return _err(tb, E_MAX_TOKENS, k, mt, PH_NEW)
+            b_items, b_n, ok = _seq(_item(i_blk, k), tp)
+            if not ok:
+                return _err(tb, E_NOT_CANONICAL, k, 0, PH_NEW)
+            if b_n != ng:
+                return _err(tb, E_GROUPS, k, b_n, PH_NEW)
+            nstage += F_NB + ng
+            if flat_tok >= 0:
+                nstage += npf
+            for g in range(ng):
+                c, st = _check_group(_item(b_items, g), tp)
+                if st != OK:
+                    return _err(tb, st, k, g, PH_NEW)
+                if c > bt_w[g]:
+                    return _err(tb, E_BLOCK_OVERFLOW, k, g, PH_NEW)
+                scr[O_NB + g * R + k] = c
+                nstage += c
+        # rows: the lowest free rows (freed by this step included), in order
+        cursor = min(ix[IX_FREE_HINT], min_freed)
+        for k in range(nn):
+            while cursor < R and not (key_len[cursor] < 0 or scr[O_FREE + cursor] == stamp):
+                cursor += 1
+            if cursor >= R:
+                return _err(tb, E_CAPACITY, k, nn, PH_NEW)
+            scr[O_NEWROW + k] = cursor
+            scr[O_NEW + cursor] = stamp
+            scr[O_NEWPOS + cursor] = k
+            cursor += 1
+        for k in range(nn):
+            prior = scr[O_PRIOR + k]
+            if prior >= 0:
+                scr[O_RED + prior] = scr[O_NEWROW + k]
+
+    # cached requests: predicted from the previous update's order, verified
+    nc = 0
+    i_cid = 0
+    i_cblk = 0
+    i_cres = 0
+    if cid != 0:
+        i_cid, nc, ok = _seq(cid, tp)
+        i_cnct, n1, ok1 = _seq(cnct, tp)
+        i_cblk, n2, ok2 = _seq(cblk, tp)
+        ok3 = True
+        n3 = nc
+        if cres != 0:
+            i_cres, n3, ok3 = _seq(cres, tp)
+        if not (ok and ok1 and ok2 and ok3):
+            return _err(tb, E_NOT_CANONICAL, -1, 0, PH_CACHED)
+        if n1 != nc or n2 != nc or n3 != nc:
+            return _err(tb, E_LENGTHS, -1, 0, PH_CACHED)
+        if nc > R:
+            return _err(tb, E_DUPLICATE, -1, nc, PH_CACHED)
+        none = tp[5]
+        true_ = tp[6]
+        j = 0
+        for i in range(nc):
+            obj = _item(i_cid, i)
+            row = -1
+            via_new = False
+            if j < prev_n and prev_obj[j] == obj:
+                # the very object of the previous step (kept alive by the
+                # table): the same id, no hashing or compare needed
+                row = prev_row[j]
+            if row >= 0:
+                j += 1
+            else:
+                ptr, klen, st = _key_of(obj, allow, tp)
+                if st != OK:
+                    return _err(tb, st, i, 0, PH_CACHED)
+                pr = prev_row[j] if j < prev_n else -1
+                if pr >= 0 and _key_matches_row(keys, kw, pr, ptr, klen):
+                    row = pr
+                    j += 1
+                else:
+                    h = _hash_key(ptr, klen, seed, hmask)
+                    if klen <= (kw - 1) * 8:
+                        row = _probe(slots, mask, keys, kw, h, ptr, klen)
+                    if row >= 0:
+                        pp = row_prev_pos[row]
+                        if pp >= 0:
+                            j = pp + 1
+                    elif nn > 0:
+                        # not live before this step: maybe added by it
+                        s = np.int64(h & np.uint64(ntab_mask))
+                        while new_tab[s] >= 0:
+                            k = new_tab[s]
+                            if new_hash[k] == h and _raw_equal(new_ptr[k], new_len[k], ptr, klen):
+                                row = scr[O_NEWROW + k]
+                                via_new = True
+                                break
+                            s = (s + 1) & ntab_mask
+            if row < 0:
+                return _err(tb, E_UNKNOWN, i, 0, PH_CACHED)
+            if not via_new and scr[O_FREE + row] == stamp:
+                row = scr[O_RED + row]
+                if row < 0:
+                    return _err(tb, E_UNKNOWN, i, 1, PH_CACHED)
+            if scr[O_SEEN + row] == stamp:
+                return _err(tb, E_DUPLICATE, i, 0, PH_CACHED)
+            scr[O_SEEN + row] = stamp
+            v, st = _int_of(_item(i_cnct, i), tp)
+            if st != OK:
+                return _err(tb, st, i, 0, PH_CACHED)
+            if v < 0 or v > L:
+                return _err(tb, E_NCT_RANGE, i, v, PH_CACHED)
+            scr[O_ROWS + i] = row
+            scr[O_NCT + i] = v
+            nstage += 2
+            b = _item(i_cblk, i)
+            if b != none:
+                b_items, b_n, ok = _seq(b, tp)
+                if not ok:
+                    return _err(tb, E_NOT_CANONICAL, i, 0, PH_CACHED)
+                if b_n != ng:
+                    return _err(tb, E_GROUPS, i, b_n, PH_CACHED)
+                resumed = False
+                if cres != 0:
+                    f = _item(i_cres, i)
+                    if f == true_:
+                        resumed = True
+                    elif f != tp[7]:
+                        return _err(tb, E_NOT_CANONICAL, i, 0, PH_CACHED)
+                for g in range(ng):
+                    c, st = _check_group(_item(b_items, g), tp)
+                    if st != OK:
+                        return _err(tb, st, i, g, PH_CACHED)
+                    base = 0
+                    if not resumed:
+                        if scr[O_NEW + row] == stamp:
+                            base = scr[O_NB + g * R + scr[O_NEWPOS + row]]
+                        else:
+                            base = state[(F_NB + g) * R + row]
+                    if base + c > bt_w[g]:
+                        return _err(tb, E_BLOCK_OVERFLOW, i, g, PH_CACHED)
+                    nstage += 1 + c
+    if need_bytes > 0:
+        return _err(tb, E_KEY_TOO_LONG, -1, need_bytes, PH_NEW)
+    if staging and nstage > stg_cap:
+        return _err(tb, E_STAGE_FULL, -1, nstage, 0)
+
+    # ---------------- pass 2: apply ----------------------------------------
+    ns = 0
+    for f in range(nfreed):
+        r = scr[O_FREED + f]
+        _ix_free_row(ix, slots, row_hash, key_len, r)
+        pp = row_prev_pos[r]
+        if pp >= 0:
+            prev_row[pp] = -1
+            row_prev_pos[r] = -1
+    if nn > 0:
+        i_pre, n2, ok2 = _seq(npre, tp)
+        i_blk, n3, ok3 = _seq(nblk, tp)
+        i_plen, n1, ok1 = _seq(nplen, tp)
+        i_nct, n4, ok4 = _seq(nnct, tp)
+        i_max, n5, ok5 = _seq(nmax, tp)
+        for k in range(nn):
+            r = scr[O_NEWROW + k]
+            _write_key(keys, kw, key_len, row_hash, r, new_ptr[k], new_len[k], new_hash[k])
+            _slot_insert(slots, mask, new_hash[k], r)
+            ix[IX_NUM_LIVE] += 1
+            plen, st = _int_of(_item(i_plen, k), tp)
+            nct, st = _int_of(_item(i_nct, k), tp)
+            mt, st = _int_of(_item(i_max, k), tp)
+            p_items, npf, ok = _seq(_item(i_pre, k), tp)
+            tbase = np.int64(r) * L
+            for t in range(npf):
+                v, st = _int_of(_item(p_items, t), tp)
+                tok[tbase + t] = v
+                if staging and flat_tok >= 0:
+                    stg_pos[ns] = flat_tok + tbase + t
+                    stg_val[ns] = v
+                    ns += 1
+            state[F_NCT * R + r] = nct
+            state[F_NCPT * R + r] = min(nct, npf)
+            state[F_PREFILL * R + r] = npf
+            state[F_PROMPT * R + r] = plen
+            state[F_MAXSEQ * R + r] = plen + mt
+            b_items, b_n, ok = _seq(_item(i_blk, k), tp)
+            for g in range(ng):
+                c = scr[O_NB + g * R + k]
+                state[(F_NB + g) * R + r] = c
+                ns = _write_group(
+                    _item(b_items, g), tp, view_i32(bt_addr[g], R * bt_w[g]), bt_w[g], r, 0,
+                    staging, stg_pos, stg_val, ns, flat_bt[g],
+                )
+            if staging:
+                for f in range(F_NB + ng):
+                    stg_pos[ns] = f * R + r
+                    stg_val[ns] = state[f * R + r]
+                    ns += 1
+        if min_freed < ix[IX_FREE_HINT]:
+            ix[IX_FREE_HINT] = min_freed
+    elif min_freed < ix[IX_FREE_HINT]:
+        ix[IX_FREE_HINT] = min_freed
+    if cid != 0:
+        i_cid, nc, ok = _seq(cid, tp)
+        for i in range(nc):
+            r = scr[O_ROWS + i]
+            v = scr[O_NCT + i]
+            state[F_NCT * R + r] = v
+            m = min(v, state[F_PREFILL * R + r])
+            state[F_NCPT * R + r] = m
+            if staging:
+                stg_pos[ns] = F_NCT * R + r
+                stg_val[ns] = v
+                stg_pos[ns + 1] = F_NCPT * R + r
+                stg_val[ns + 1] = m
+                ns += 2
+            b = _item(i_cblk, i)
+            if b != tp[5]:
+                resumed = cres != 0 and _item(i_cres, i) == tp[6]
+                b_items, b_n, ok = _seq(b, tp)
+                for g in range(ng):
+                    nbpos = (F_NB + g) * R + r
+                    start = 0 if resumed else state[nbpos]
+                    gi, c, ok = _seq(_item(b_items, g), tp)
+                    ns = _write_group(
+                        _item(b_items, g), tp, view_i32(bt_addr[g], R * bt_w[g]), bt_w[g], r, start,
+                        staging, stg_pos, stg_val, ns, flat_bt[g],
+                    )
+                    state[nbpos] = start + c
+                    if staging:
+                        stg_pos[ns] = nbpos
+                        stg_val[ns] = start + c
+                        ns += 1
+        # remember this update's order and objects for the next prediction
+        for jj in range(prev_n):
+            r = prev_row[jj]
+            if r >= 0:
+                row_prev_pos[r] = -1
+        for i in range(nc):
+            r = scr[O_ROWS + i]
+            prev_obj[i] = _item(i_cid, i)
+            prev_row[i] = r
+            row_prev_pos[r] = i
+        tb[TB_PREV_N] = nc
+    tb[TB_STG_N] = ns
+    return OK

@@ -1,0 +1,139 @@
+"""Reference implementations: the per-request Python loop.
+
+``LoopRequestTable`` is written the way a serving engine's model runner does
+it (a dict, a free list, scalar numpy writes and a block-table append per
+request). It is the baseline of every benchmark and the oracle of the
+differential tests. ``LegacyRequestTable`` keeps the pre-fix behaviour that
+increments ``num_computed_tokens`` by the scheduled tokens, to show the
+divergence under speculative decoding.
+
+Neither validates its input: fed a bad step they may raise half-way.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+
+import numpy as np
+
+__all__ = ["LoopRequestTable", "LegacyRequestTable"]
+
+
+class LoopRequestTable:
+    """Same constructor, attributes and step semantics as
+    :class:`mtpstate.RequestTable`, as a per-request Python loop."""
+
+    def __init__(self, max_num_reqs, max_model_len, block_sizes=(16,), max_num_blocks_per_group=None, **_):
+        R, L = max_num_reqs, max_model_len
+        widths = (
+            [math.ceil(L / b) for b in block_sizes]
+            if max_num_blocks_per_group is None
+            else list(max_num_blocks_per_group)
+        )
+        self.max_num_reqs = R
+        self.max_model_len = L
+        self.block_sizes = tuple(block_sizes)
+        self.max_num_blocks_per_group = tuple(widths)
+        self.num_groups = len(widths)
+        self.req_id_to_index: dict[str, int] = {}
+        self.free_rows = list(range(R))  # a heap: lowest free row first
+        self.num_computed_tokens = np.zeros(R, np.int32)
+        self.num_computed_prefill_tokens = np.zeros(R, np.int32)
+        self.prefill_len = np.zeros(R, np.int32)
+        self.prompt_len = np.zeros(R, np.int32)
+        self.max_seq_len = np.zeros(R, np.int32)
+        self.num_blocks = np.zeros((len(widths), R), np.int32)
+        self.block_tables = [np.zeros((R, w), np.int32) for w in widths]
+        self.token_ids = np.zeros((R, L), np.int32)
+
+    def __len__(self):
+        return len(self.req_id_to_index)
+
+    def __contains__(self, req_id):
+        return req_id in self.req_id_to_index
+
+    def rows(self, req_ids):
+        return np.array([self.req_id_to_index[r] for r in req_ids], np.int32)
+
+    def is_prefilling(self, rows):
+        rows = np.asarray(rows)
+        return self.num_computed_prefill_tokens[rows] < self.prefill_len[rows]
+
+    def _remove(self, req_id):
+        row = self.req_id_to_index.pop(req_id, None)
+        if row is not None:
+            heapq.heappush(self.free_rows, row)
+
+    def finish(self, req_ids):
+        for req_id in sorted(req_ids):
+            self._remove(req_id)
+
+    def add(self, new_reqs):
+        for req in new_reqs:  # re-sent requests are removed first
+            if req.req_id in self.req_id_to_index:
+                self._remove(req.req_id)
+        for req in new_reqs:
+            row = heapq.heappop(self.free_rows)
+            self.req_id_to_index[req.req_id] = row
+            prompt = req.prompt_token_ids
+            tokens = req.prefill_token_ids if req.prefill_token_ids is not None else prompt
+            prompt_len = len(prompt) if prompt is not None else req.prompt_len
+            sp = req.sampling_params
+            max_tokens = sp.max_tokens if sp is not None and sp.max_tokens is not None else 1
+            self.prompt_len[row] = prompt_len
+            self.prefill_len[row] = len(tokens)
+            self.max_seq_len[row] = prompt_len + max_tokens
+            self.num_computed_tokens[row] = req.num_computed_tokens
+            self.num_computed_prefill_tokens[row] = min(req.num_computed_tokens, len(tokens))
+            self.token_ids[row, : len(tokens)] = tokens
+            for g, ids in enumerate(req.block_ids):
+                self.block_tables[g][row, : len(ids)] = ids
+                self.num_blocks[g, row] = len(ids)
+
+    def _append_blocks(self, row, new_blocks, overwrite):
+        for g, ids in enumerate(new_blocks):
+            start = 0 if overwrite else self.num_blocks[g, row]
+            self.block_tables[g][row, start : start + len(ids)] = ids
+            self.num_blocks[g, row] = start + len(ids)
+
+    def update(self, cached):
+        resumed = getattr(cached, "resumed_req_ids", None) or ()
+        for req_id, n, new_blocks in zip(cached.req_ids, cached.num_computed_tokens, cached.new_block_ids):
+            row = self.req_id_to_index[req_id]
+            self.num_computed_tokens[row] = n  # overwrite from the scheduler
+            if new_blocks is not None:
+                self._append_blocks(row, new_blocks, overwrite=req_id in resumed)
+        np.minimum(self.num_computed_tokens, self.prefill_len, out=self.num_computed_prefill_tokens)
+
+    def apply(self, so):
+        self.finish(set(so.finished_req_ids) | set(so.preempted_req_ids or ()))
+        self.add(so.scheduled_new_reqs)
+        self.update(so.scheduled_cached_reqs)
+
+
+class LegacyRequestTable(LoopRequestTable):
+    """The pre-fix engine: a running request's ``num_computed_tokens`` is
+    advanced by the number of tokens scheduled for it in the previous step,
+    instead of overwritten from the scheduler. Under speculative decoding
+    rejected draft tokens are counted as computed, so the copy drifts further
+    every step. Same values as the fixed engine when every draft is accepted.
+    """
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._scheduled_last_step: dict = {}
+
+    def update(self, cached):
+        resumed = getattr(cached, "resumed_req_ids", None) or ()
+        last = self._scheduled_last_step
+        for req_id, new_blocks in zip(cached.req_ids, cached.new_block_ids):
+            row = self.req_id_to_index[req_id]
+            self.num_computed_tokens[row] += last.get(req_id, 0)  # the bug: increment
+            if new_blocks is not None:
+                self._append_blocks(row, new_blocks, overwrite=req_id in resumed)
+        np.minimum(self.num_computed_tokens, self.prefill_len, out=self.num_computed_prefill_tokens)
+
+    def apply(self, so):
+        super().apply(so)
+        self._scheduled_last_step = dict(so.num_scheduled_tokens)

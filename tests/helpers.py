@@ -1,0 +1,58 @@
+"""Shared test helpers: compare a RequestTable with the loop oracle."""
+
+import copy
+
+import numpy as np
+
+FIELDS = ["num_computed_tokens", "num_computed_prefill_tokens", "prefill_len", "prompt_len", "max_seq_len"]
+
+
+def assert_tables_agree(fast, loop):
+    """Every field of every live row equal (rows included)."""
+    live = sorted(loop.req_id_to_index)
+    assert len(fast) == len(loop)
+    rows = np.array([loop.req_id_to_index[r] for r in live], np.int32)
+    assert fast.rows(live).tolist() == rows.tolist()
+    for name in FIELDS:
+        np.testing.assert_array_equal(getattr(fast, name)[rows], getattr(loop, name)[rows], err_msg=name)
+    np.testing.assert_array_equal(fast.num_blocks[:, rows], loop.num_blocks[:, rows])
+    for g in range(loop.num_groups):
+        for r in rows:
+            n = loop.num_blocks[g, r]
+            np.testing.assert_array_equal(fast.block_tables[g][r, :n], loop.block_tables[g][r, :n])
+    for r in rows:
+        n = loop.prefill_len[r]
+        np.testing.assert_array_equal(fast.token_ids[r, :n], loop.token_ids[r, :n])
+    np.testing.assert_array_equal(fast.is_prefilling(rows), loop.is_prefilling(rows))
+
+
+def table_snapshot(t):
+    arrays = [t._state.copy(), t.token_ids.copy(), *(bt.copy() for bt in t.block_tables)]
+    ix = t._index
+    arrays += [ix._slots.copy(), ix._row_hash.copy(), ix._keys.copy(), ix._key_len.copy()]
+    arrays += [t._prev_obj.copy(), t._prev_row.copy(), t._row_prev_pos.copy()]
+    return arrays, len(t), t._ctx[10]
+
+
+def assert_same_snapshot(a, b):
+    assert a[1] == b[1] and a[2] == b[2]
+    for x, y in zip(a[0], b[0]):
+        np.testing.assert_array_equal(x, y)
+
+
+def genericize(so, rng):
+    """The same step with other container types: tuples, numpy arrays,
+    numpy ints, str subclasses (the generic input path)."""
+    so = copy.deepcopy(so)
+    c = so.scheduled_cached_reqs
+    c.req_ids = tuple(c.req_ids)
+    c.num_computed_tokens = np.array(c.num_computed_tokens, np.int64)
+    c.new_block_ids = [None if b is None else tuple(np.array(g, np.int32) for g in b) for b in c.new_block_ids]
+    for r in so.scheduled_new_reqs:
+        r.prompt_token_ids = np.array(r.prompt_token_ids, np.int64) if rng.random() < 0.5 else tuple(r.prompt_token_ids)
+        if r.prefill_token_ids is not None:
+            r.prefill_token_ids = tuple(r.prefill_token_ids)
+        r.num_computed_tokens = np.int64(r.num_computed_tokens)
+        r.block_ids = [np.array(g, np.int32) for g in r.block_ids]
+    so.finished_req_ids = frozenset(so.finished_req_ids)
+    return so

@@ -1,0 +1,274 @@
+"""RequestTable against the loop oracle, on simulated multi-step traces; bad
+input; rows across PYTHONHASHSEED values."""
+
+import pickle
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+from helpers import assert_same_snapshot, assert_tables_agree, genericize, table_snapshot
+from hypothesis import given
+from hypothesis import strategies as st
+
+from mtpstate import CapacityError, DuplicateRequestError, InvalidStepError, RequestTable, StateError, UnknownRequestError
+from mtpstate.reference import LoopRequestTable
+from mtpstate.sim import CachedRequestData, NewRequestData, SamplingParams, SchedulerOutput, Simulator
+
+sim_configs = st.fixed_dictionaries(
+    {
+        "max_num_reqs": st.integers(1, 24),
+        "max_model_len": st.sampled_from([64, 300, 1024]),
+        "max_num_batched_tokens": st.sampled_from([8, 64, 512]),
+        "block_sizes": st.sampled_from([(16,), (4, 32), (16, 16, 64)]),
+        "arrivals_per_step": st.floats(0.2, 4),
+        "num_spec": st.integers(0, 4),
+        "accept": st.floats(0, 1),
+        "preempt_prob": st.floats(0, 0.4),
+        "abort_prob": st.floats(0, 0.3),
+        "abort_waiting_prob": st.floats(0, 0.3),
+        "prefix_hit_prob": st.floats(0, 0.5),
+        "remote_kv_prob": st.floats(0, 0.5),
+        "resume_mode": st.sampled_from(["new", "cached"]),
+        "seed": st.integers(0, 2**32),
+    }
+)
+
+
+def _tables(cfg, **kw):
+    shape = dict(max_num_reqs=cfg["max_num_reqs"], max_model_len=cfg["max_model_len"], block_sizes=cfg["block_sizes"])
+    return RequestTable(**shape, **kw), LoopRequestTable(**shape)
+
+
+def _short_lengths(cfg):
+    L = cfg["max_model_len"]
+    return {**cfg, "prompt_len": (1, max(2, L // 3)), "output_len": (1, max(2, L // 4))}
+
+
+@given(cfg=sim_configs, steps=st.integers(1, 60), fresh=st.booleans())
+def test_differential_fast_path(cfg, steps, fresh):
+    sim = Simulator(**_short_lengths(cfg))
+    fast, loop = _tables(cfg)
+    for _ in range(steps):
+        so = sim.step()
+        if fresh:  # freshly unpickled ids, as a worker process receives them
+            so = pickle.loads(pickle.dumps(so))
+        fast.apply(so)
+        loop.apply(so)
+        assert_tables_agree(fast, loop)
+        # the fixed semantics never drift from the scheduler's truth
+        for rid, n in sim.truth.items():
+            assert fast.num_computed_tokens[fast.rows([rid])[0]] == n
+
+
+@given(cfg=sim_configs, steps=st.integers(1, 30), collide=st.booleans())
+def test_differential_generic_path(cfg, steps, collide):
+    rng = np.random.default_rng(cfg["seed"])
+    sim = Simulator(**_short_lengths(cfg))
+    fast, loop = _tables(cfg, _hash_bits=0 if collide else 63)
+    for _ in range(steps):
+        so = sim.step()
+        fast.apply(genericize(so, rng))
+        loop.apply(so)
+        assert_tables_agree(fast, loop)
+
+
+def test_phases_match_apply():
+    cfg = dict(max_num_reqs=16, max_model_len=512, block_sizes=(16,))
+    sim = Simulator(**cfg, num_spec=2, preempt_prob=0.2, seed=3, prompt_len=(1, 100), output_len=(1, 40))
+    a = RequestTable(**cfg)
+    b = LoopRequestTable(**cfg)
+    for so in sim.run(80):
+        a.finish(set(so.finished_req_ids) | set(so.preempted_req_ids or ()))
+        a.add(so.scheduled_new_reqs)
+        a.update(so.scheduled_cached_reqs)
+        b.apply(so)
+        assert_tables_agree(a, b)
+
+
+def test_update_arrays_matches_update():
+    cfg = dict(max_num_reqs=32, max_model_len=512, block_sizes=(16, 32))
+    sim = Simulator(**cfg, num_spec=3, accept=0.5, seed=5, prompt_len=(1, 60), output_len=(5, 60))
+    a = RequestTable(**cfg)
+    b = LoopRequestTable(**cfg)
+    for i, so in enumerate(sim.run(60)):
+        a.finish(set(so.finished_req_ids) | set(so.preempted_req_ids or ()))
+        a.add(so.scheduled_new_reqs)
+        c = so.scheduled_cached_reqs
+        offsets, values = [], []
+        for g in range(2):
+            counts = [0 if blk is None else len(blk[g]) for blk in c.new_block_ids]
+            offsets.append(np.concatenate([[0], np.cumsum(counts)]).astype(np.int64))
+            values.append(np.array([x for blk in c.new_block_ids if blk is not None for x in blk[g]], np.int32))
+        keys = c.req_ids if i % 2 else a.rows(c.req_ids)
+        rows = a.update_arrays(keys, np.array(c.num_computed_tokens, np.int64), offsets, values)
+        b.apply(so)
+        assert rows.tolist() == b.rows(c.req_ids).tolist()
+        assert_tables_agree(a, b)
+
+
+# ----------------------------------------------------------------------------
+# bad input: raises a StateError subclass, changes nothing, next step works
+
+
+def _new(rid, n=4, nct=0, blocks=None, max_tokens=8, prefill=None):
+    return NewRequestData(
+        req_id=rid,
+        prompt_token_ids=list(range(n)),
+        sampling_params=SamplingParams(max_tokens),
+        block_ids=blocks if blocks is not None else ([0],),
+        num_computed_tokens=nct,
+        prefill_token_ids=prefill,
+    )
+
+
+def _cached(ids, ncts, blocks=None, resumed=()):
+    return CachedRequestData(
+        req_ids=list(ids), num_computed_tokens=list(ncts),
+        new_block_ids=list(blocks) if blocks is not None else [None] * len(ids), resumed_req_ids=set(resumed),
+    )
+
+
+def _so(new=(), cached=None, fin=(), pre=None):
+    return SchedulerOutput(
+        scheduled_new_reqs=list(new), scheduled_cached_reqs=cached or _cached([], []),
+        finished_req_ids=set(fin), preempted_req_ids=pre,
+    )
+
+
+def _fresh_table():
+    t = RequestTable(max_num_reqs=4, max_model_len=64, block_sizes=[16], max_num_blocks_per_group=[4])
+    t.apply(_so(new=[_new("a", blocks=([1, 2],)), _new("b")]))
+    t.apply(_so(cached=_cached(["a", "b"], [4, 4])))
+    return t
+
+
+BAD_STEPS = {
+    "unknown cached id": (_so(cached=_cached(["a", "zz"], [5, 5])), UnknownRequestError),
+    "cached id finished in this step": (_so(fin=["b"], cached=_cached(["a", "b"], [5, 5])), UnknownRequestError),
+    "unequal cached lists": (_so(cached=CachedRequestData(["a", "b"], set(), [], [None], [5, 5], [])), InvalidStepError),
+    "negative num_computed_tokens": (_so(cached=_cached(["a"], [-1])), InvalidStepError),
+    "num_computed_tokens above max_model_len": (_so(cached=_cached(["a"], [65])), InvalidStepError),
+    "new nct above prefill_len": (_so(new=[_new("c", n=4, nct=5)]), InvalidStepError),
+    "prompt longer than max_model_len": (_so(new=[_new("c", n=65)]), InvalidStepError),
+    "block row overflow (cached)": (_so(cached=_cached(["a"], [5], [([3, 4, 5],)])), InvalidStepError),
+    "block row overflow (new)": (_so(new=[_new("c", blocks=([1, 2, 3, 4, 5],))]), InvalidStepError),
+    "wrong number of groups (new)": (_so(new=[_new("c", blocks=([1], [2]))]), InvalidStepError),
+    "wrong number of groups (cached)": (_so(cached=_cached(["a"], [5], [([1], [2])])), InvalidStepError),
+    "negative block id": (_so(cached=_cached(["a"], [5], [([-3],)])), InvalidStepError),
+    "non-str new id": (_so(new=[_new(7)]), StateError),
+    "non-str cached id": (_so(cached=_cached(["a", 3], [5, 5])), StateError),
+    "non-int count": (_so(cached=_cached(["a"], [5.5])), InvalidStepError),
+    "bool count": (_so(cached=_cached(["a"], [True])), InvalidStepError),
+    "same new id twice": (_so(new=[_new("c"), _new("c")]), DuplicateRequestError),
+    "same cached id twice": (_so(cached=_cached(["a", "a"], [5, 5])), DuplicateRequestError),
+    "more new requests than free rows": (_so(new=[_new("c"), _new("d"), _new("e")]), CapacityError),
+    "negative token id": (_so(new=[_new("c", prefill=[1, -2, 3])]), InvalidStepError),
+    "negative max_tokens": (_so(new=[_new("c", max_tokens=-1)]), InvalidStepError),
+    "bad step after good parts": (
+        _so(fin=["a"], new=[_new("c"), _new("a2")], cached=_cached(["b", "c", "q"], [5, 1, 1])),
+        UnknownRequestError,
+    ),
+}
+
+
+@pytest.mark.parametrize("name", sorted(BAD_STEPS))
+def test_bad_step_changes_nothing(name):
+    so, err = BAD_STEPS[name]
+    t = _fresh_table()
+    before = table_snapshot(t)
+    with pytest.raises(err) as info:
+        t.apply(so)
+    assert isinstance(info.value, StateError)
+    assert_same_snapshot(before, table_snapshot(t))
+    # the next good step works and agrees with the oracle
+    loop = LoopRequestTable(max_num_reqs=4, max_model_len=64, block_sizes=[16], max_num_blocks_per_group=[4])
+    loop.apply(_so(new=[_new("a", blocks=([1, 2],)), _new("b")]))
+    loop.apply(_so(cached=_cached(["a", "b"], [4, 4])))
+    good = _so(fin=["b"], new=[_new("c", n=9, nct=3, blocks=([7, 8],))], cached=_cached(["a"], [6], [([9],)]))
+    t.apply(good)
+    loop.apply(good)
+    assert_tables_agree(t, loop)
+    t.apply(_so(cached=_cached(["c", "a"], [9, 7])))
+    loop.apply(_so(cached=_cached(["c", "a"], [9, 7])))
+    assert_tables_agree(t, loop)
+
+
+def test_error_messages_name_the_request():
+    t = _fresh_table()
+    with pytest.raises(UnknownRequestError, match="'zz'"):
+        t.apply(BAD_STEPS["unknown cached id"][0])
+    with pytest.raises(InvalidStepError, match="'a'.*group 0"):
+        t.apply(BAD_STEPS["block row overflow (cached)"][0])
+    with pytest.raises(InvalidStepError, match="'c'"):
+        t.apply(BAD_STEPS["new nct above prefill_len"][0])
+
+
+def test_resent_and_same_step_semantics():
+    """A re-sent live id is removed and added again; a finished id re-added in
+    the same step is live; cached ids of requests added by this very step
+    are found."""
+    t = _fresh_table()
+    loop = LoopRequestTable(max_num_reqs=4, max_model_len=64, block_sizes=[16], max_num_blocks_per_group=[4])
+    loop.apply(_so(new=[_new("a", blocks=([1, 2],)), _new("b")]))
+    loop.apply(_so(cached=_cached(["a", "b"], [4, 4])))
+    steps = [
+        _so(new=[_new("a", n=6, nct=2, blocks=([5],))], cached=_cached(["b"], [4])),
+        _so(fin=["b"], new=[_new("b", n=3, blocks=([6],))], cached=_cached(["a", "b"], [3, 1], [None, ([7],)])),
+        _so(new=[_new("x", n=2)], cached=_cached(["x", "a"], [1, 4])),
+        _so(pre={"a"}, new=[_new("a", n=8, nct=8, prefill=list(range(8)), blocks=([1],))]),
+        _so(cached=_cached(["a", "b", "x"], [8, 2, 2], [([2],), None, ([3],)], resumed={"a"})),
+    ]
+    for so in steps:
+        t.apply(so)
+        loop.apply(so)
+        assert_tables_agree(t, loop)
+
+
+def test_long_unicode_and_surrogate_ids():
+    t = RequestTable(max_num_reqs=8, max_model_len=64)
+    ids = ["é" * 100, "\ud800x", "日本語" * 40, ""]
+    t.apply(_so(new=[_new(r) for r in ids]))
+    t.apply(_so(cached=_cached(ids, [1, 2, 3, 4])))
+    assert t.num_computed_tokens[t.rows(ids)].tolist() == [1, 2, 3, 4]
+    assert all(r in t for r in ids)
+
+
+_ROWS_SCRIPT = """
+from mtpstate import RequestTable
+from mtpstate.sim import Simulator
+sim = Simulator(max_num_reqs=16, max_model_len=256, preempt_prob=0.3, abort_prob=0.2, abort_waiting_prob=0.2,
+                num_spec=2, prompt_len=(1, 60), output_len=(1, 30), seed=11)
+t = RequestTable(max_num_reqs=16, max_model_len=256)
+out = []
+for so in sim.run(80):
+    t.apply(so)
+    out.append(sorted((int(r), i) for i, r in zip(so.num_scheduled_tokens, t.rows(list(so.num_scheduled_tokens)))))
+print(out)
+"""
+
+
+def test_rows_identical_across_hash_seeds():
+    outs = set()
+    for seed in ("0", "7", "4242"):
+        r = subprocess.run(
+            [sys.executable, "-c", _ROWS_SCRIPT], env={"PYTHONHASHSEED": seed, "PATH": ""},
+            capture_output=True, text=True, check=True,
+        )
+        outs.add(r.stdout)
+    assert len(outs) == 1
+
+
+def test_constructor_and_views():
+    t = RequestTable(max_num_reqs=8, max_model_len=100, block_sizes=[16, 32])
+    assert [bt.shape for bt in t.block_tables] == [(8, 7), (8, 4)]
+    assert t.num_blocks.shape == (2, 8) and t.token_ids.shape == (8, 100)
+    assert np.shares_memory(t.num_computed_tokens, t._state)
+    with pytest.raises(ValueError):
+        RequestTable(max_num_reqs=0, max_model_len=10)
+    with pytest.raises(ValueError):
+        RequestTable(max_num_reqs=2, max_model_len=10, block_sizes=[16], max_num_blocks_per_group=[1, 2])
+    assert "RequestTable" in repr(t) and len(t) == 0 and "x" not in t
+    assert t.transfer_stats() == {"bytes": 0, "copies": 0}
+    with pytest.raises(StateError):
+        t.device_tensors
