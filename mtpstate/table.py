@@ -363,6 +363,20 @@ class RequestTable:
         so = scheduler_output
         fin = so.finished_req_ids
         pre = so.preempted_req_ids
+        if not fin and not pre and not so.scheduled_new_reqs and self._mirror is None:
+            # steady-state fast path: only running requests are updated
+            c = so.scheduled_cached_reqs
+            if not getattr(c, "resumed_req_ids", None):
+                ids = c.req_ids
+                status = T.tb_step(
+                    self._ix_addr, self._tb_addr, 0, 0, 0, 0, 0, 0, 0,
+                    id(ids), id(c.num_computed_tokens), id(c.new_block_ids), 0,
+                )
+                if status == K.OK:
+                    self._prev_keepalive = tuple(ids)
+                    return
+                # anything else (generic inputs, errors) takes the full path;
+                # a rejected kernel call has changed nothing
         if pre:
             fin = list(fin) + list(pre) if fin else list(pre)
         elif fin:

@@ -1,0 +1,5 @@
+import sys
+
+from mtpstate.cli import main
+
+sys.exit(main())

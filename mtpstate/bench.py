@@ -1,0 +1,228 @@
+"""``mtpstate bench``: RequestTable and RequestIndex against the per-request
+loop and the dict, on identical steps in one run.
+
+Method: kernels are compiled/loaded before timing (``warmup``, reported
+separately); each timed step is unpickled right before it is applied
+(untimed), as a worker receives it, so its objects are fresh and warm in
+cache; the table is rebuilt between repeats (untimed); medians and the
+10th/90th percentiles of per-step times are reported.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import platform
+import statistics
+import time
+
+import numpy as np
+
+SIZES = [1, 16, 64, 256, 1024, 4096, 16384]
+QUICK_SIZES = [1, 256, 4096]
+
+
+def machine_info() -> dict:
+    import numba
+
+    info = {
+        "cpu": platform.processor() or platform.machine(),
+        "cores": os.cpu_count(),
+        "python": platform.python_version(),
+        "numpy": np.__version__,
+        "numba": numba.__version__,
+    }
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    info["cpu"] = line.split(":", 1)[1].strip()
+                    break
+    except OSError:
+        pass
+    try:
+        import torch
+
+        info["torch"] = torch.__version__
+    except ImportError:
+        info["torch"] = None
+    return info
+
+
+def _pct(ts, q):
+    return float(np.percentile(ts, q)) * 1e6
+
+
+def _time_table(cls, n, setup, blobs, ids, repeats):
+    from mtpstate.workloads import BLOCK_SIZE, MAX_MODEL_LEN
+
+    ts = []
+    for _ in range(repeats):
+        t = cls(max_num_reqs=n, max_model_len=MAX_MODEL_LEN, block_sizes=[BLOCK_SIZE])
+        for so in setup:
+            t.apply(so)
+        for b in blobs:
+            so = pickle.loads(b)
+            if ids is not None:  # in-process engine: the same id objects every step
+                so.scheduled_cached_reqs.req_ids = ids
+            t0 = time.perf_counter()
+            t.apply(so)
+            ts.append(time.perf_counter() - t0)
+    return ts
+
+
+def bench_table(sizes, quick, progress):
+    from mtpstate import RequestTable
+    from mtpstate.reference import LoopRequestTable
+    from mtpstate.workloads import mixed, steady_decode
+
+    results = []
+    for workload in ("steady-decode", "steady-decode-fresh-ids", "mixed"):
+        for n in sizes:
+            progress(f"{workload} N={n}")
+            if workload == "mixed":
+                setup, timed = mixed(n, steps=4 if quick else 8)
+                ids = None
+            else:
+                setup, timed = steady_decode(n, steps=4 if quick else 8)
+                ids = None if workload.endswith("fresh-ids") else timed[0].scheduled_cached_reqs.req_ids
+            blobs = [pickle.dumps(so) for so in timed]
+            repeats = max(2 if quick else 3, (300 if quick else 2000) // max(n, 1))
+            if workload == "mixed":
+                repeats = 1 if quick else 3
+            base = None
+            for impl, cls in (("loop", LoopRequestTable), ("vectorized", RequestTable)):
+                ts = _time_table(cls, n, setup, blobs, ids, repeats)
+                med = statistics.median(ts) * 1e6
+                if impl == "loop":
+                    base = med
+                results.append(
+                    {
+                        "workload": workload,
+                        "n": n,
+                        "impl": impl,
+                        "median_us": med,
+                        "p10_us": _pct(ts, 10),
+                        "p90_us": _pct(ts, 90),
+                        "ns_per_request": med * 1e3 / max(n, 1),
+                        "speedup": base / med,
+                        "samples": len(ts),
+                    }
+                )
+    return results
+
+
+def bench_index(sizes, quick, progress):
+    from mtpstate import RequestIndex
+
+    results = []
+    for n in sizes:
+        progress(f"index-lookup N={n}")
+        ids = [f"cmpl-{i:032x}-0" for i in range(n)]
+        ix = RequestIndex(n)
+        ix.insert(ids)
+        d = {k: i for i, k in enumerate(ids)}
+        blob = pickle.dumps(ids)
+        repeats = max(15, (2000 if quick else 20000) // n)
+        a, b = [], []
+        for _ in range(repeats):
+            l1, l2 = pickle.loads(blob), pickle.loads(blob)
+            t0 = time.perf_counter()
+            np.fromiter(map(d.__getitem__, l1), np.int64, n)
+            t1 = time.perf_counter()
+            ix.lookup(l2)
+            t2 = time.perf_counter()
+            a.append(t1 - t0)
+            b.append(t2 - t1)
+        base = statistics.median(a) * 1e6
+        for impl, ts in (("dict", a), ("index", b)):
+            med = statistics.median(ts) * 1e6
+            results.append(
+                {
+                    "workload": "index-lookup-fresh-ids",
+                    "n": n,
+                    "impl": impl,
+                    "median_us": med,
+                    "p10_us": _pct(ts, 10),
+                    "p90_us": _pct(ts, 90),
+                    "ns_per_request": med * 1e3 / n,
+                    "speedup": base / med,
+                    "samples": len(ts),
+                }
+            )
+    return results
+
+
+def format_table(machine, results, warmup_s) -> str:
+    lines = [
+        "mtpstate bench: "
+        + ", ".join(f"{k}={v}" for k, v in machine.items()),
+        f"kernel compile/cache-load (warmup, excluded from timings): {warmup_s * 1e3:.1f} ms",
+        "",
+        f"{'workload':<26}{'N':>7}  {'impl':<11}{'median us':>11}{'p10':>10}{'p90':>10}{'ns/req':>9}{'speedup':>9}",
+    ]
+    for r in results:
+        lines.append(
+            f"{r['workload']:<26}{r['n']:>7}  {r['impl']:<11}{r['median_us']:>11.2f}{r['p10_us']:>10.2f}"
+            f"{r['p90_us']:>10.2f}{r['ns_per_request']:>9.1f}{r['speedup']:>8.1f}x"
+        )
+    return "\n".join(lines)
+
+
+def run(quick=False, sizes=None, json_path=None, plot_path=None, what=("table", "index"), out=print):
+    import sys
+
+    from mtpstate import warmup
+
+    sizes = sizes or (QUICK_SIZES if quick else SIZES)
+    warmup_s = warmup()
+
+    def progress(msg):
+        print(f"\r  running {msg:<40}", end="", file=sys.stderr, flush=True)
+
+    results = []
+    if "table" in what:
+        results += bench_table(sizes, quick, progress)
+    if "index" in what:
+        results += bench_index([n for n in sizes], quick, progress)
+    print("\r" + " " * 60 + "\r", end="", file=sys.stderr)
+    machine = machine_info()
+    out(format_table(machine, results, warmup_s))
+    if json_path:
+        with open(json_path, "w") as f:
+            json.dump({"machine": machine, "warmup_s": warmup_s, "results": results}, f, indent=1)
+    if plot_path:
+        plot(results, plot_path)
+    return results
+
+
+def plot(results, path):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.5))
+    keys = sorted({(r["workload"], r["impl"]) for r in results})
+    for wl, impl in keys:
+        rs = sorted((r for r in results if r["workload"] == wl and r["impl"] == impl), key=lambda r: r["n"])
+        ns = [r["n"] for r in rs]
+        if impl not in ("loop", "dict"):
+            ax1.plot(ns, [r["speedup"] for r in rs], marker="o", label=f"{wl}: {impl}")
+        ax2.plot(ns, [r["median_us"] for r in rs], marker="o", label=f"{wl}: {impl}")
+    ax1.set_xscale("log")
+    ax1.axhline(1, color="grey", lw=0.8)
+    ax1.set_xlabel("N requests")
+    ax1.set_ylabel("speedup over loop / dict (x)")
+    ax1.set_title("speedup (median)")
+    ax2.set_xscale("log")
+    ax2.set_yscale("log")
+    ax2.set_xlabel("N requests")
+    ax2.set_ylabel("median us per step")
+    ax2.set_title("time per step")
+    for ax in (ax1, ax2):
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
