@@ -10,7 +10,7 @@ advances by accepted + 1), preemption (re-sent as a new request whose
 aborts (also of requests never scheduled), prefix-cache and remote-KV hits
 (new requests with ``0 < num_computed_tokens <= prefill length``), several
 KV-cache groups, and a seed. ``truth`` holds the scheduler's own
-``num_computed_tokens`` of every running request after each step.
+``num_computed_tokens`` of every request scheduled in the last step.
 """
 
 from __future__ import annotations
@@ -266,7 +266,8 @@ class Simulator:
             out.num_scheduled_tokens[req.req_id] = n
             outcomes.append((req, n, 0, left))
         out.total_num_scheduled_tokens = sum(out.num_scheduled_tokens.values())
-        self.truth = {r.req_id: r.nct for r in self.running}
+        # what the runner must hold for every request scheduled in this step
+        self.truth = {req.req_id: req.nct for req, _, _, _ in outcomes}
 
         # the model ran: advance the scheduler's view for the next step
         for req, n, drafts, prefill_left in outcomes:
