@@ -169,7 +169,7 @@ def _raw_equal(p1, n1, p2, n2):
     return True
 
 
-@jit
+@jit(inline="always")
 def _seq(obj, tp):
     """(item pointer array, length, ok) of an exact list or tuple."""
     t = load_i64(obj + OFF_TYPE)
@@ -180,12 +180,12 @@ def _seq(obj, tp):
     return 0, 0, False
 
 
-@jit
+@jit(inline="always")
 def _item(items, i):
     return load_i64(items + 8 * i)
 
 
-@jit
+@jit(inline="always")
 def _int_of(obj, tp):
     """(value, status) of an exact int; E_NOT_CANONICAL for anything else."""
     if load_i64(obj + OFF_TYPE) != tp[4]:

@@ -379,3 +379,105 @@ def _ov_fmix(h):
         return x ^ (x >> np.uint64(32))
 
     return impl
+
+
+# ----------------------------------------------------------------------------
+# software prefetch: block-table rows are one 4 KiB page apart, so each append
+# is a cache and TLB miss; pass 1 prefetches the lines pass 2 will write
+
+
+def prefetch(addr):
+    return None
+
+
+@intrinsic
+def _prefetch(typingctx, addr):
+    sig = types.void(types.int64)
+
+    def codegen(context, builder, signature, args):
+        i8p = ir.IntType(8).as_pointer()
+        i32 = ir.IntType(32)
+        fnty = ir.FunctionType(ir.VoidType(), [i8p, i32, i32, i32])
+        fn = cgutils.get_or_insert_function(builder.module, fnty, "llvm.prefetch.p0i8")
+        builder.call(fn, [builder.inttoptr(args[0], i8p), i32(1), i32(3), i32(1)])
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
+@overload(prefetch, inline="always")
+def _ov_prefetch(addr):
+    return lambda addr: _prefetch(addr)
+
+
+# ----------------------------------------------------------------------------
+# element loads/stores at base address + index: no negative-index wraparound
+# branch (numba adds one to every signed array index), for the hot loops
+
+
+def ld32(base, i):
+    return ctypes.c_int32.from_address(int(base) + 4 * int(i)).value
+
+
+def st32(base, i, v):
+    ctypes.c_int32.from_address(int(base) + 4 * int(i)).value = int(v)
+
+
+def ld64(base, i):
+    return ctypes.c_int64.from_address(int(base) + 8 * int(i)).value
+
+
+def st64(base, i, v):
+    ctypes.c_int64.from_address(int(base) + 8 * int(i)).value = int(v)
+
+
+def _make_elem_intrinsics(bits):
+    ity = ir.IntType(bits)
+    nbty = types.int32 if bits == 32 else types.int64
+
+    @intrinsic
+    def _ld(typingctx, base, i):
+        sig = nbty(types.int64, types.int64)
+
+        def codegen(context, builder, signature, args):
+            ptr = builder.inttoptr(args[0], ity.as_pointer())
+            return builder.load(builder.gep(ptr, [args[1]]), align=bits // 8)
+
+        return sig, codegen
+
+    @intrinsic
+    def _st(typingctx, base, i, v):
+        sig = types.void(types.int64, types.int64, nbty)
+
+        def codegen(context, builder, signature, args):
+            ptr = builder.inttoptr(args[0], ity.as_pointer())
+            builder.store(args[2], builder.gep(ptr, [args[1]]), align=bits // 8)
+            return context.get_dummy_value()
+
+        return sig, codegen
+
+    return _ld, _st
+
+
+_ld32, _st32 = _make_elem_intrinsics(32)
+_ld64, _st64 = _make_elem_intrinsics(64)
+
+
+@overload(ld32, inline="always")
+def _ov_ld32(base, i):
+    return lambda base, i: _ld32(base, np.int64(i))
+
+
+@overload(st32, inline="always")
+def _ov_st32(base, i, v):
+    return lambda base, i, v: _st32(base, np.int64(i), np.int32(v))
+
+
+@overload(ld64, inline="always")
+def _ov_ld64(base, i):
+    return lambda base, i: _ld64(base, np.int64(i))
+
+
+@overload(st64, inline="always")
+def _ov_st64(base, i, v):
+    return lambda base, i, v: _st64(base, np.int64(i), np.int64(v))

@@ -56,7 +56,7 @@ from mtpstate._kernels import (
     _slot_insert,
     _write_key,
 )
-from mtpstate._native import jit, view_i32, view_i64
+from mtpstate._native import jit, ld32, ld64, prefetch, st32, st64, view_i32, view_i64
 
 # per-row int32 fields of the state array, [NUM_FIELDS, max_num_reqs]
 F_NCT = 0  # num_computed_tokens
@@ -74,9 +74,12 @@ TB_BT_ADDR = 3  # addr int64[ng]: address of each group's block table [R, W_g]
 TB_BT_W = 4  # addr int64[ng]: W_g
 TB_TOK = 5  # addr int32[R, L]
 TB_L = 6
-TB_PREV_OBJ = 7  # addr int64[R]: id objects of the previous update, by position
-TB_PREV_ROW = 8  # addr int32[R]: their rows (-1 once freed)
-TB_ROW_PREV_POS = 9  # addr int32[R]: position of each row in the previous update
+# The prediction state is double-buffered ([2, R] each): a step reads buffer
+# TB_PREV_CUR and writes the other, which becomes current only if the step
+# is accepted, so a rejected step leaves the prediction as it was.
+TB_PREV_OBJ = 7  # addr int64[2, R]: id objects of the previous update, by position
+TB_PREV_ROW = 8  # addr int32[2, R]: their rows (-1 once freed)
+TB_ROW_PREV_POS = 9  # addr int32[2, R]: position of each row (valid where prev_row points back)
 TB_PREV_N = 10
 TB_SCR = 11  # addr int32[NUM_SCR, R] scratch
 TB_STAMP = 12
@@ -90,7 +93,9 @@ TB_STG_N = 19
 TB_STG_ON = 20
 TB_FLAT_BT = 21  # addr int64[ng]: flat offset of each block table
 TB_FLAT_TOK = 22  # flat offset of token_ids; -1: not mirrored
-TB_SIZE = 24
+TB_VALIDATE_ONLY = 23  # 1: stop after pass 1 (dry run: validation only)
+TB_PREV_CUR = 24  # which prediction buffer is current
+TB_SIZE = 32
 
 # scratch rows
 S_ROWS = 0  # cached position -> row
@@ -134,7 +139,7 @@ def _check_tokens(seq, tp):
     return n, OK
 
 
-@jit
+@jit(inline="always")
 def _check_group(seq, tp):
     """(count, status) of one group's block ids, each an int in [0, 2**31)."""
     items, n, ok = _seq(seq, tp)
@@ -149,20 +154,48 @@ def _check_group(seq, tp):
     return n, OK
 
 
-@jit
-def _write_group(seq, tp, bt, w, row, start, staging, stg_pos, stg_val, ns, flat):
-    """Write one group's block ids into ``bt[row, start:]``; returns the
-    number of staged elements."""
+@jit(inline="always")
+def _write_group(seq, tp, a_bt, w, row, start, staging, a_stg_pos, a_stg_val, ns, flat):
+    """Write one group's block ids into ``bt[row, start:]`` (``a_bt``: the
+    table's address); returns the new number of staged elements."""
     items, n, ok = _seq(seq, tp)
     base = np.int64(row) * w + start
     for j in range(n):
         v, st = _int_of(_item(items, j), tp)
-        bt[base + j] = v
+        st32(a_bt, base + j, v)
         if staging:
-            stg_pos[ns] = flat + base + j
-            stg_val[ns] = v
+            st64(a_stg_pos, ns, flat + base + j)
+            st32(a_stg_val, ns, v)
             ns += 1
     return ns
+
+
+@jit
+def _predict_miss(obj, j, prev_n, a_prev_row, a_rpp, slots, mask, keys, kw, seed, hmask, allow, tp):
+    """Row of the cached id ``obj`` at predicted position ``j`` of the
+    previous update: (row or -1, next j, status, hash, key address, length).
+
+    1. the very object of the previous step at j (kept alive by the table):
+       the same id, no hashing or compare needed;
+    2. else the id's bytes compared with the key of the row predicted at j;
+    3. else a hash probe, and the prediction re-synchronized on its result.
+    """
+    # (1. is inlined by the callers: a call costs more than the check)
+    ptr, klen, st = _key_of(obj, allow, tp)
+    if st != OK:
+        return -1, j, st, np.uint64(0), 0, 0
+    pr = ld32(a_prev_row, j) if j < prev_n else -1
+    if pr >= 0 and _key_matches_row(keys, kw, pr, ptr, klen):
+        return pr, j + 1, OK, np.uint64(0), ptr, klen
+    h = _hash_key(ptr, klen, seed, hmask)
+    row = -1
+    if klen <= (kw - 1) * 8:
+        row = _probe(slots, mask, keys, kw, h, ptr, klen)
+    if row >= 0:
+        pp = ld32(a_rpp, row)
+        if 0 <= pp < prev_n and ld32(a_prev_row, pp) == row:
+            j = pp + 1
+    return row, j, OK, h, ptr, klen
 
 
 @jit
@@ -183,9 +216,7 @@ def tb_step(ixc, tbc, fin, nid, nplen, npre, nblk, nnct, nmax, cid, cnct, cblk, 
     bt_addr = view_i64(tb[TB_BT_ADDR], ng)
     bt_w = view_i64(tb[TB_BT_W], ng)
     tok = view_i32(tb[TB_TOK], R * L)
-    prev_obj = view_i64(tb[TB_PREV_OBJ], R)
-    prev_row = view_i32(tb[TB_PREV_ROW], R)
-    row_prev_pos = view_i32(tb[TB_ROW_PREV_POS], R)
+    cur = tb[TB_PREV_CUR]
     prev_n = tb[TB_PREV_N]
     scr = view_i32(tb[TB_SCR], (S_NB0 + ng) * R)
     staging = tb[TB_STG_ON] != 0
@@ -194,6 +225,16 @@ def tb_step(ixc, tbc, fin, nid, nplen, npre, nblk, nnct, nmax, cid, cnct, cblk, 
     stg_val = view_i32(tb[TB_STG_VAL], stg_cap)
     flat_bt = view_i64(tb[TB_FLAT_BT], ng)
     flat_tok = tb[TB_FLAT_TOK]
+    a_state = tb[TB_STATE]
+    a_scr = tb[TB_SCR]
+    a_prev_obj = tb[TB_PREV_OBJ] + 8 * R * cur
+    a_prev_row = tb[TB_PREV_ROW] + 4 * R * cur
+    a_rpp = tb[TB_ROW_PREV_POS] + 4 * R * cur
+    a_prev_obj_next = tb[TB_PREV_OBJ] + 8 * R * (1 - cur)
+    a_prev_row_next = tb[TB_PREV_ROW] + 4 * R * (1 - cur)
+    a_rpp_next = tb[TB_ROW_PREV_POS] + 4 * R * (1 - cur)
+    a_stg_pos = tb[TB_STG_POS]
+    a_stg_val = tb[TB_STG_VAL]
     stamp = tb[TB_STAMP] + 1
     tb[TB_STAMP] = stamp
     O_ROWS = S_ROWS * R
@@ -363,56 +404,46 @@ def tb_step(ixc, tbc, fin, nid, nplen, npre, nblk, nnct, nmax, cid, cnct, cblk, 
         j = 0
         for i in range(nc):
             obj = _item(i_cid, i)
-            row = -1
-            via_new = False
-            if j < prev_n and prev_obj[j] == obj:
-                # the very object of the previous step (kept alive by the
-                # table): the same id, no hashing or compare needed
-                row = prev_row[j]
+            row = ld32(a_prev_row, j) if j < prev_n and ld64(a_prev_obj, j) == obj else -1
+            st = OK
+            h = np.uint64(0)
+            ptr = 0
+            klen = 0
             if row >= 0:
                 j += 1
             else:
-                ptr, klen, st = _key_of(obj, allow, tp)
-                if st != OK:
-                    return _err(tb, st, i, 0, PH_CACHED)
-                pr = prev_row[j] if j < prev_n else -1
-                if pr >= 0 and _key_matches_row(keys, kw, pr, ptr, klen):
-                    row = pr
-                    j += 1
-                else:
-                    h = _hash_key(ptr, klen, seed, hmask)
-                    if klen <= (kw - 1) * 8:
-                        row = _probe(slots, mask, keys, kw, h, ptr, klen)
-                    if row >= 0:
-                        pp = row_prev_pos[row]
-                        if pp >= 0:
-                            j = pp + 1
-                    elif nn > 0:
-                        # not live before this step: maybe added by it
-                        s = np.int64(h & np.uint64(ntab_mask))
-                        while new_tab[s] >= 0:
-                            k = new_tab[s]
-                            if new_hash[k] == h and _raw_equal(new_ptr[k], new_len[k], ptr, klen):
-                                row = scr[O_NEWROW + k]
-                                via_new = True
-                                break
-                            s = (s + 1) & ntab_mask
+                row, j, st, h, ptr, klen = _predict_miss(
+                    obj, j, prev_n, a_prev_row, a_rpp, slots, mask, keys, kw, seed, hmask, allow, tp
+                )
+            if st != OK:
+                return _err(tb, st, i, 0, PH_CACHED)
+            via_new = False
+            if row < 0 and nn > 0:
+                # not live before this step: maybe added by it
+                s = np.int64(h & np.uint64(ntab_mask))
+                while new_tab[s] >= 0:
+                    k = new_tab[s]
+                    if new_hash[k] == h and _raw_equal(new_ptr[k], new_len[k], ptr, klen):
+                        row = scr[O_NEWROW + k]
+                        via_new = True
+                        break
+                    s = (s + 1) & ntab_mask
             if row < 0:
                 return _err(tb, E_UNKNOWN, i, 0, PH_CACHED)
-            if not via_new and scr[O_FREE + row] == stamp:
-                row = scr[O_RED + row]
+            if nfreed > 0 and not via_new and ld32(a_scr, O_FREE + row) == stamp:
+                row = ld32(a_scr, O_RED + row)
                 if row < 0:
                     return _err(tb, E_UNKNOWN, i, 1, PH_CACHED)
-            if scr[O_SEEN + row] == stamp:
+            if ld32(a_scr, O_SEEN + row) == stamp:
                 return _err(tb, E_DUPLICATE, i, 0, PH_CACHED)
-            scr[O_SEEN + row] = stamp
+            st32(a_scr, O_SEEN + row, stamp)
             v, st = _int_of(_item(i_cnct, i), tp)
             if st != OK:
                 return _err(tb, st, i, 0, PH_CACHED)
             if v < 0 or v > L:
                 return _err(tb, E_NCT_RANGE, i, v, PH_CACHED)
-            scr[O_ROWS + i] = row
-            scr[O_NCT + i] = v
+            st32(a_scr, O_ROWS + i, row)
+            st32(a_scr, O_NCT + i, v)
             nstage += 2
             b = _item(i_cblk, i)
             if b != none:
@@ -434,27 +465,31 @@ def tb_step(ixc, tbc, fin, nid, nplen, npre, nblk, nnct, nmax, cid, cnct, cblk, 
                         return _err(tb, st, i, g, PH_CACHED)
                     base = 0
                     if not resumed:
-                        if scr[O_NEW + row] == stamp:
-                            base = scr[O_NB + g * R + scr[O_NEWPOS + row]]
+                        if nn > 0 and ld32(a_scr, O_NEW + row) == stamp:
+                            base = ld32(a_scr, O_NB + g * R + ld32(a_scr, O_NEWPOS + row))
                         else:
-                            base = state[(F_NB + g) * R + row]
+                            base = ld32(a_state, (F_NB + g) * R + row)
                     if base + c > bt_w[g]:
                         return _err(tb, E_BLOCK_OVERFLOW, i, g, PH_CACHED)
                     nstage += 1 + c
+                    if c > 0:
+                        prefetch(bt_addr[g] + 4 * (np.int64(row) * bt_w[g] + base))
     if need_bytes > 0:
         return _err(tb, E_KEY_TOO_LONG, -1, need_bytes, PH_NEW)
     if staging and nstage > stg_cap:
         return _err(tb, E_STAGE_FULL, -1, nstage, 0)
+
+    if tb[TB_VALIDATE_ONLY] != 0:
+        return OK
 
     # ---------------- pass 2: apply ----------------------------------------
     ns = 0
     for f in range(nfreed):
         r = scr[O_FREED + f]
         _ix_free_row(ix, slots, row_hash, key_len, r)
-        pp = row_prev_pos[r]
-        if pp >= 0:
-            prev_row[pp] = -1
-            row_prev_pos[r] = -1
+        pp = ld32(a_rpp, r)
+        if 0 <= pp < prev_n and ld32(a_prev_row, pp) == r:
+            st32(a_prev_row, pp, -1)
     if nn > 0:
         i_pre, n2, ok2 = _seq(npre, tp)
         i_blk, n3, ok3 = _seq(nblk, tp)
@@ -488,8 +523,8 @@ def tb_step(ixc, tbc, fin, nid, nplen, npre, nblk, nnct, nmax, cid, cnct, cblk, 
                 c = scr[O_NB + g * R + k]
                 state[(F_NB + g) * R + r] = c
                 ns = _write_group(
-                    _item(b_items, g), tp, view_i32(bt_addr[g], R * bt_w[g]), bt_w[g], r, 0,
-                    staging, stg_pos, stg_val, ns, flat_bt[g],
+                    _item(b_items, g), tp, bt_addr[g], bt_w[g], r, 0,
+                    staging, a_stg_pos, a_stg_val, ns, flat_bt[g],
                 )
             if staging:
                 for f in range(F_NB + ng):
@@ -502,45 +537,224 @@ def tb_step(ixc, tbc, fin, nid, nplen, npre, nblk, nnct, nmax, cid, cnct, cblk, 
         ix[IX_FREE_HINT] = min_freed
     if cid != 0:
         i_cid, nc, ok = _seq(cid, tp)
+        none = tp[5]
         for i in range(nc):
-            r = scr[O_ROWS + i]
-            v = scr[O_NCT + i]
-            state[F_NCT * R + r] = v
-            m = min(v, state[F_PREFILL * R + r])
-            state[F_NCPT * R + r] = m
+            r = ld32(a_scr, O_ROWS + i)
+            v = ld32(a_scr, O_NCT + i)
+            st32(a_state, F_NCT * R + r, v)
+            m = min(v, ld32(a_state, F_PREFILL * R + r))
+            st32(a_state, F_NCPT * R + r, m)
             if staging:
-                stg_pos[ns] = F_NCT * R + r
-                stg_val[ns] = v
-                stg_pos[ns + 1] = F_NCPT * R + r
-                stg_val[ns + 1] = m
+                st64(a_stg_pos, ns, F_NCT * R + r)
+                st32(a_stg_val, ns, v)
+                st64(a_stg_pos, ns + 1, F_NCPT * R + r)
+                st32(a_stg_val, ns + 1, m)
                 ns += 2
             b = _item(i_cblk, i)
-            if b != tp[5]:
+            if b != none:
                 resumed = cres != 0 and _item(i_cres, i) == tp[6]
                 b_items, b_n, ok = _seq(b, tp)
                 for g in range(ng):
                     nbpos = (F_NB + g) * R + r
-                    start = 0 if resumed else state[nbpos]
+                    start = 0 if resumed else ld32(a_state, nbpos)
                     gi, c, ok = _seq(_item(b_items, g), tp)
                     ns = _write_group(
-                        _item(b_items, g), tp, view_i32(bt_addr[g], R * bt_w[g]), bt_w[g], r, start,
-                        staging, stg_pos, stg_val, ns, flat_bt[g],
+                        _item(b_items, g), tp, bt_addr[g], bt_w[g], r, start,
+                        staging, a_stg_pos, a_stg_val, ns, flat_bt[g],
                     )
-                    state[nbpos] = start + c
+                    st32(a_state, nbpos, start + c)
                     if staging:
-                        stg_pos[ns] = nbpos
-                        stg_val[ns] = start + c
+                        st64(a_stg_pos, ns, nbpos)
+                        st32(a_stg_val, ns, start + c)
                         ns += 1
-        # remember this update's order and objects for the next prediction
-        for jj in range(prev_n):
-            r = prev_row[jj]
-            if r >= 0:
-                row_prev_pos[r] = -1
-        for i in range(nc):
-            r = scr[O_ROWS + i]
-            prev_obj[i] = _item(i_cid, i)
-            prev_row[i] = r
-            row_prev_pos[r] = i
+            # remember this update's order and objects for the next prediction
+            # (row_prev_pos[r] is trusted only where prev_row points back at r)
+            st64(a_prev_obj_next, i, _item(i_cid, i))
+            st32(a_prev_row_next, i, r)
+            st32(a_rpp_next, r, i)
         tb[TB_PREV_N] = nc
+        tb[TB_PREV_CUR] = 1 - cur
+    tb[TB_STG_N] = ns
+    return OK
+
+
+@jit
+def _undo_update(a_state, a_scr, a_prev_row_next, R, count):
+    """Restore num_computed_tokens (and the prefill counter derived from it)
+    of the first ``count`` rows a rejected update already wrote."""
+    for k in range(count):
+        r = ld32(a_prev_row_next, k)
+        old = ld32(a_scr, S_NCT * R + k)
+        st32(a_state, F_NCT * R + r, old)
+        st32(a_state, F_NCPT * R + r, min(old, ld32(a_state, F_PREFILL * R + r)))
+
+
+@jit
+def tb_update(ixc, tbc, cid, cnct, cblk, cres):
+    """An update-only step (no finished, preempted or new requests): the
+    steady state of decoding, in a single pass over the requests.
+
+    Each request is validated and written in the same pass; its previous
+    ``num_computed_tokens`` goes to an undo log, so a request rejected at
+    position i rolls back positions < i before returning. Block appends are
+    validated in the pass and written after it. The prediction for the next
+    step goes to the non-current buffer, which becomes current only on
+    success.
+    """
+    ix = view_i64(ixc, IX_SIZE)
+    tb = view_i64(tbc, TB_SIZE)
+    tp = _pytypes(ix)
+    slots, row_hash, keys, key_len = _ix_arrays(ix)
+    mask = ix[IX_MASK]
+    kw = ix[IX_KW]
+    seed = ix[IX_SEED]
+    hmask = ix[IX_HMASK]
+    allow = ix[IX_ALLOW_BYTES]
+    R = tb[TB_R]
+    ng = tb[TB_NG]
+    L = tb[TB_L]
+    bt_addr = view_i64(tb[TB_BT_ADDR], ng)
+    bt_w = view_i64(tb[TB_BT_W], ng)
+    flat_bt = view_i64(tb[TB_FLAT_BT], ng)
+    a_state = tb[TB_STATE]
+    a_scr = tb[TB_SCR]
+    cur = tb[TB_PREV_CUR]
+    prev_n = tb[TB_PREV_N]
+    a_prev_obj = tb[TB_PREV_OBJ] + 8 * R * cur
+    a_prev_row = tb[TB_PREV_ROW] + 4 * R * cur
+    a_rpp = tb[TB_ROW_PREV_POS] + 4 * R * cur
+    a_prev_obj_next = tb[TB_PREV_OBJ] + 8 * R * (1 - cur)
+    a_prev_row_next = tb[TB_PREV_ROW] + 4 * R * (1 - cur)
+    a_rpp_next = tb[TB_ROW_PREV_POS] + 4 * R * (1 - cur)
+    staging = tb[TB_STG_ON] != 0
+    stg_cap = tb[TB_STG_CAP]
+    a_stg_pos = tb[TB_STG_POS]
+    a_stg_val = tb[TB_STG_VAL]
+    stamp = tb[TB_STAMP] + 1
+    tb[TB_STAMP] = stamp
+    O_SEEN = S_SEEN * R
+    O_NCT = S_NCT * R
+    O_ROWS = S_ROWS * R
+    i_cid, nc, ok = _seq(cid, tp)
+    i_cnct, n1, ok1 = _seq(cnct, tp)
+    i_cblk, n2, ok2 = _seq(cblk, tp)
+    i_cres = 0
+    ok3 = True
+    n3 = nc
+    if cres != 0:
+        i_cres, n3, ok3 = _seq(cres, tp)
+    if not (ok and ok1 and ok2 and ok3):
+        return _err(tb, E_NOT_CANONICAL, -1, 0, PH_CACHED)
+    if n1 != nc or n2 != nc or n3 != nc:
+        return _err(tb, E_LENGTHS, -1, 0, PH_CACHED)
+    if nc > R:
+        return _err(tb, E_DUPLICATE, -1, nc, PH_CACHED)
+    if staging and 2 * nc > stg_cap:
+        return _err(tb, E_STAGE_FULL, -1, 2 * nc, 0)
+    none = tp[5]
+    true_ = tp[6]
+    j = 0
+    ns = 0
+    nstage_blocks = 0
+    nblk = 0  # requests with new blocks, listed in the O_ROWS scratch row
+    for i in range(nc):
+        obj = _item(i_cid, i)
+        row = ld32(a_prev_row, j) if j < prev_n and ld64(a_prev_obj, j) == obj else -1
+        st = OK
+        if row >= 0:
+            j += 1
+        else:
+            row, j, st, h, ptr, klen = _predict_miss(
+                obj, j, prev_n, a_prev_row, a_rpp, slots, mask, keys, kw, seed, hmask, allow, tp
+            )
+        code = OK
+        arg = 0
+        if st != OK:
+            code = st
+        elif row < 0:
+            code = E_UNKNOWN
+        elif ld32(a_scr, O_SEEN + row) == stamp:
+            code = E_DUPLICATE
+        else:
+            v, st = _int_of(_item(i_cnct, i), tp)
+            if st != OK:
+                code = st
+            elif v < 0 or v > L:
+                code = E_NCT_RANGE
+                arg = v
+            else:
+                b = _item(i_cblk, i)
+                if b != none:
+                    b_items, b_n, ok = _seq(b, tp)
+                    resumed = False
+                    if cres != 0:
+                        f = _item(i_cres, i)
+                        if f == true_:
+                            resumed = True
+                        elif f != tp[7]:
+                            ok = False
+                    if not ok:
+                        code = E_NOT_CANONICAL
+                    elif b_n != ng:
+                        code = E_GROUPS
+                        arg = b_n
+                    else:
+                        for g in range(ng):
+                            c, st = _check_group(_item(b_items, g), tp)
+                            if st != OK:
+                                code = st
+                                arg = g
+                                break
+                            base = 0 if resumed else ld32(a_state, (F_NB + g) * R + row)
+                            if base + c > bt_w[g]:
+                                code = E_BLOCK_OVERFLOW
+                                arg = g
+                                break
+                            nstage_blocks += 1 + c
+                            if c > 0:
+                                prefetch(bt_addr[g] + 4 * (np.int64(row) * bt_w[g] + base))
+                        if code == OK:
+                            st32(a_scr, O_ROWS + nblk, i)
+                            nblk += 1
+        if code != OK:
+            _undo_update(a_state, a_scr, a_prev_row_next, R, i)
+            return _err(tb, code, i, arg, PH_CACHED)
+        st32(a_scr, O_SEEN + row, stamp)
+        st32(a_scr, O_NCT + i, ld32(a_state, F_NCT * R + row))  # undo log
+        st32(a_state, F_NCT * R + row, v)
+        m = min(v, ld32(a_state, F_PREFILL * R + row))
+        st32(a_state, F_NCPT * R + row, m)
+        if staging:
+            st64(a_stg_pos, ns, F_NCT * R + row)
+            st32(a_stg_val, ns, v)
+            st64(a_stg_pos, ns + 1, F_NCPT * R + row)
+            st32(a_stg_val, ns + 1, m)
+            ns += 2
+        st64(a_prev_obj_next, i, obj)
+        st32(a_prev_row_next, i, row)
+        st32(a_rpp_next, row, i)
+    if staging and ns + nstage_blocks > stg_cap:
+        _undo_update(a_state, a_scr, a_prev_row_next, R, nc)
+        return _err(tb, E_STAGE_FULL, -1, ns + nstage_blocks, 0)
+    # accepted: block appends, then the prediction buffer becomes current
+    for k in range(nblk):
+        i = ld32(a_scr, O_ROWS + k)
+        r = ld32(a_prev_row_next, i)
+        resumed = cres != 0 and _item(i_cres, i) == true_
+        b_items, b_n, ok = _seq(_item(i_cblk, i), tp)
+        for g in range(ng):
+            nbpos = (F_NB + g) * R + r
+            start = 0 if resumed else ld32(a_state, nbpos)
+            gi, c, ok = _seq(_item(b_items, g), tp)
+            ns = _write_group(
+                _item(b_items, g), tp, bt_addr[g], bt_w[g], r, start, staging, a_stg_pos, a_stg_val, ns, flat_bt[g]
+            )
+            st32(a_state, nbpos, start + c)
+            if staging:
+                st64(a_stg_pos, ns, nbpos)
+                st32(a_stg_val, ns, start + c)
+                ns += 1
+    tb[TB_PREV_N] = nc
+    tb[TB_PREV_CUR] = 1 - cur
     tb[TB_STG_N] = ns
     return OK

@@ -54,22 +54,30 @@ def _pct(ts, q):
     return float(np.percentile(ts, q)) * 1e6
 
 
-def _time_table(cls, n, setup, blobs, ids, repeats):
+def _time_tables(impls, n, setup, blobs, ids, repeats):
+    """Per-step times of each implementation on identical steps. Repeats and
+    steps are interleaved across implementations, so that machine noise hits
+    them alike; tables are rebuilt (untimed) for every repeat."""
     from mtpstate.workloads import BLOCK_SIZE, MAX_MODEL_LEN
 
-    ts = []
+    times = {name: [] for name in impls}
     for _ in range(repeats):
-        t = cls(max_num_reqs=n, max_model_len=MAX_MODEL_LEN, block_sizes=[BLOCK_SIZE])
-        for so in setup:
-            t.apply(so)
+        tables = {}
+        for name, cls in impls.items():
+            t = cls(max_num_reqs=n, max_model_len=MAX_MODEL_LEN, block_sizes=[BLOCK_SIZE])
+            for so in setup:
+                t.apply(so)
+            tables[name] = t
         for b in blobs:
-            so = pickle.loads(b)
-            if ids is not None:  # in-process engine: the same id objects every step
-                so.scheduled_cached_reqs.req_ids = ids
-            t0 = time.perf_counter()
-            t.apply(so)
-            ts.append(time.perf_counter() - t0)
-    return ts
+            for name, t in tables.items():
+                so = pickle.loads(b)  # fresh objects, as a worker receives them (untimed)
+                if ids is not None:  # in-process engine: the same id objects every step
+                    so.scheduled_cached_reqs.req_ids = ids
+                t0 = time.perf_counter()
+                t.apply(so)
+                times[name].append(time.perf_counter() - t0)
+        del tables
+    return times
 
 
 def bench_table(sizes, quick, progress):
@@ -77,6 +85,7 @@ def bench_table(sizes, quick, progress):
     from mtpstate.reference import LoopRequestTable
     from mtpstate.workloads import mixed, steady_decode
 
+    impls = {"loop": LoopRequestTable, "vectorized": RequestTable}
     results = []
     for workload in ("steady-decode", "steady-decode-fresh-ids", "mixed"):
         for n in sizes:
@@ -88,15 +97,14 @@ def bench_table(sizes, quick, progress):
                 setup, timed = steady_decode(n, steps=4 if quick else 8)
                 ids = None if workload.endswith("fresh-ids") else timed[0].scheduled_cached_reqs.req_ids
             blobs = [pickle.dumps(so) for so in timed]
-            repeats = max(2 if quick else 3, (300 if quick else 2000) // max(n, 1))
+            repeats = max(2 if quick else 3, (300 if quick else 3000) // max(n, 1))
             if workload == "mixed":
                 repeats = 1 if quick else 3
-            base = None
-            for impl, cls in (("loop", LoopRequestTable), ("vectorized", RequestTable)):
-                ts = _time_table(cls, n, setup, blobs, ids, repeats)
+            times = _time_tables(impls, n, setup, blobs, ids, repeats)
+            base = statistics.median(times["loop"]) * 1e6
+            for impl, ts in times.items():
                 med = statistics.median(ts) * 1e6
-                if impl == "loop":
-                    base = med
+                ratios = np.array(times["loop"]) / np.array(ts)
                 results.append(
                     {
                         "workload": workload,
@@ -107,6 +115,9 @@ def bench_table(sizes, quick, progress):
                         "p90_us": _pct(ts, 90),
                         "ns_per_request": med * 1e3 / max(n, 1),
                         "speedup": base / med,
+                        "paired_speedup_median": float(np.median(ratios)),
+                        "paired_speedup_p10": float(np.percentile(ratios, 10)),
+                        "paired_speedup_p90": float(np.percentile(ratios, 90)),
                         "samples": len(ts),
                     }
                 )

@@ -133,9 +133,11 @@ class RequestTable:
         self._bt_addr = np.array([bt.ctypes.data for bt in self.block_tables], np.int64)
         self._bt_w = np.array(widths, np.int64)
         self._flat_bt = np.zeros(ng, np.int64)
-        self._prev_obj = np.zeros(R, np.int64)
-        self._prev_row = np.full(R, -1, np.int32)
-        self._row_prev_pos = np.full(R, -1, np.int32)
+        # prediction of each update's rows from the previous one: double
+        # buffered, [2, max_num_reqs] (see _table_kernels)
+        self._prev_obj = np.zeros((2, R), np.int64)
+        self._prev_row = np.full((2, R), -1, np.int32)
+        self._row_prev_pos = np.full((2, R), -1, np.int32)
         self._scratch = np.zeros((T.num_scratch_rows(ng), R), np.int32)
         # keeps the previous update's id objects alive: the kernel compares
         # object addresses against them, valid only while they cannot be freed
@@ -368,10 +370,7 @@ class RequestTable:
             c = so.scheduled_cached_reqs
             if not getattr(c, "resumed_req_ids", None):
                 ids = c.req_ids
-                status = T.tb_step(
-                    self._ix_addr, self._tb_addr, 0, 0, 0, 0, 0, 0, 0,
-                    id(ids), id(c.num_computed_tokens), id(c.new_block_ids), 0,
-                )
+                status = T.tb_update(self._ix_addr, self._tb_addr, id(ids), id(c.num_computed_tokens), id(c.new_block_ids), 0)
                 if status == K.OK:
                     self._prev_keepalive = tuple(ids)
                     return

@@ -30,8 +30,10 @@ def table_snapshot(t):
     arrays = [t._state.copy(), t.token_ids.copy(), *(bt.copy() for bt in t.block_tables)]
     ix = t._index
     arrays += [ix._slots.copy(), ix._row_hash.copy(), ix._keys.copy(), ix._key_len.copy()]
-    arrays += [t._prev_obj.copy(), t._prev_row.copy(), t._row_prev_pos.copy()]
-    return arrays, len(t), t._ctx[10]
+    # the current prediction buffer (a rejected step may scribble on the other)
+    cur, n = int(t._ctx[24]), int(t._ctx[10])
+    arrays += [t._prev_obj[cur, :n].copy(), t._prev_row[cur, :n].copy()]
+    return arrays, len(t), n
 
 
 def assert_same_snapshot(a, b):
