@@ -481,3 +481,52 @@ def _ov_ld64(base, i):
 @overload(st64, inline="always")
 def _ov_st64(base, i, v):
     return lambda base, i, v: _st64(base, np.int64(i), np.int64(v))
+
+
+# ----------------------------------------------------------------------------
+# reference counts: the table owns one reference to each id object of the
+# current prediction buffer, so their addresses cannot be reused while the
+# kernel compares against them
+
+
+_api.Py_IncRef.argtypes = [ctypes.c_void_p]
+_api.Py_IncRef.restype = None
+_api.Py_DecRef.argtypes = [ctypes.c_void_p]
+_api.Py_DecRef.restype = None
+
+
+def incref(obj):
+    _api.Py_IncRef(int(obj))
+
+
+def decref(obj):
+    _api.Py_DecRef(int(obj))
+
+
+def _make_refcount_intrinsic(name):
+    @intrinsic
+    def _rc(typingctx, obj):
+        sig = types.void(types.int64)
+
+        def codegen(context, builder, signature, args):
+            fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ir.VoidType(), [_I8P]), name)
+            builder.call(fn, [builder.inttoptr(args[0], _I8P)])
+            return context.get_dummy_value()
+
+        return sig, codegen
+
+    return _rc
+
+
+_incref = _make_refcount_intrinsic("Py_IncRef")
+_decref = _make_refcount_intrinsic("Py_DecRef")
+
+
+@overload(incref, inline="always")
+def _ov_incref(obj):
+    return lambda obj: _incref(obj)
+
+
+@overload(decref, inline="always")
+def _ov_decref(obj):
+    return lambda obj: _decref(obj)

@@ -56,7 +56,7 @@ from mtpstate._kernels import (
     _slot_insert,
     _write_key,
 )
-from mtpstate._native import jit, ld32, ld64, prefetch, st32, st64, view_i32, view_i64
+from mtpstate._native import decref, incref, jit, ld32, ld64, prefetch, st32, st64, view_i32, view_i64
 
 # per-row int32 fields of the state array, [NUM_FIELDS, max_num_reqs]
 F_NCT = 0  # num_computed_tokens
@@ -108,8 +108,9 @@ S_NEWPOS = 6  # row -> index of that new request
 S_FREED = 7  # list of freed rows
 S_NEWROW = 8  # new request index -> row
 S_PRIOR = 9  # new request index -> its live row before the step, -1
-NUM_SCR = 10 + 0  # + ng rows of per-new-request block counts (S_NB0 + g)
-S_NB0 = 10
+S_HIT = 10  # stamp: next-buffer position i holds the same object as a current one
+S_CARRY = 11  # stamp: current-buffer position j was carried over to the next
+S_NB0 = 12  # + g: per-new-request block counts of group g
 
 
 def num_scratch_rows(ng):
@@ -168,6 +169,17 @@ def _write_group(seq, tp, a_bt, w, row, start, staging, a_stg_pos, a_stg_val, ns
             st32(a_stg_val, ns, v)
             ns += 1
     return ns
+
+
+@jit
+def _release(a_obj, n, a_scr, o_carry, stamp):
+    """Drop the table's references to the objects of a prediction buffer,
+    except those carried over to the next one."""
+    for j in range(n):
+        if ld32(a_scr, o_carry + j) != stamp:
+            obj = ld64(a_obj, j)
+            if obj != 0:
+                decref(obj)
 
 
 @jit
@@ -569,9 +581,12 @@ def tb_step(ixc, tbc, fin, nid, nplen, npre, nblk, nnct, nmax, cid, cnct, cblk, 
                         ns += 1
             # remember this update's order and objects for the next prediction
             # (row_prev_pos[r] is trusted only where prev_row points back at r)
-            st64(a_prev_obj_next, i, _item(i_cid, i))
+            obj = _item(i_cid, i)
+            st64(a_prev_obj_next, i, obj)
             st32(a_prev_row_next, i, r)
             st32(a_rpp_next, r, i)
+            incref(obj)
+        _release(a_prev_obj, prev_n, a_scr, S_CARRY * R, -1)
         tb[TB_PREV_N] = nc
         tb[TB_PREV_CUR] = 1 - cur
     tb[TB_STG_N] = ns
@@ -587,6 +602,14 @@ def _undo_update(a_state, a_scr, a_prev_row_next, R, count):
         old = ld32(a_scr, S_NCT * R + k)
         st32(a_state, F_NCT * R + r, old)
         st32(a_state, F_NCPT * R + r, min(old, ld32(a_state, F_PREFILL * R + r)))
+
+
+@jit(inline="always")
+def _seen_in_this_update(a_rpp_next, a_prev_row_next, row, i):
+    # positions < i of the next prediction buffer are this update's; a row
+    # whose recorded position points into them was listed already
+    p = ld32(a_rpp_next, row)
+    return 0 <= p < i and ld32(a_prev_row_next, p) == row
 
 
 @jit
@@ -635,6 +658,8 @@ def tb_update(ixc, tbc, cid, cnct, cblk, cres):
     O_SEEN = S_SEEN * R
     O_NCT = S_NCT * R
     O_ROWS = S_ROWS * R
+    O_HIT = S_HIT * R
+    O_CARRY = S_CARRY * R
     i_cid, nc, ok = _seq(cid, tp)
     i_cnct, n1, ok1 = _seq(cnct, tp)
     i_cblk, n2, ok2 = _seq(cblk, tp)
@@ -662,6 +687,9 @@ def tb_update(ixc, tbc, cid, cnct, cblk, cres):
         row = ld32(a_prev_row, j) if j < prev_n and ld64(a_prev_obj, j) == obj else -1
         st = OK
         if row >= 0:
+            # the reference the table holds moves to the next buffer
+            st32(a_scr, O_CARRY + j, stamp)
+            st32(a_scr, O_HIT + i, stamp)
             j += 1
         else:
             row, j, st, h, ptr, klen = _predict_miss(
@@ -673,7 +701,7 @@ def tb_update(ixc, tbc, cid, cnct, cblk, cres):
             code = st
         elif row < 0:
             code = E_UNKNOWN
-        elif ld32(a_scr, O_SEEN + row) == stamp:
+        elif _seen_in_this_update(a_rpp_next, a_prev_row_next, row, i):
             code = E_DUPLICATE
         else:
             v, st = _int_of(_item(i_cnct, i), tp)
@@ -719,7 +747,6 @@ def tb_update(ixc, tbc, cid, cnct, cblk, cres):
         if code != OK:
             _undo_update(a_state, a_scr, a_prev_row_next, R, i)
             return _err(tb, code, i, arg, PH_CACHED)
-        st32(a_scr, O_SEEN + row, stamp)
         st32(a_scr, O_NCT + i, ld32(a_state, F_NCT * R + row))  # undo log
         st32(a_state, F_NCT * R + row, v)
         m = min(v, ld32(a_state, F_PREFILL * R + row))
@@ -754,6 +781,10 @@ def tb_update(ixc, tbc, cid, cnct, cblk, cres):
                 st64(a_stg_pos, ns, nbpos)
                 st32(a_stg_val, ns, start + c)
                 ns += 1
+    for i in range(nc):
+        if ld32(a_scr, O_HIT + i) != stamp:
+            incref(ld64(a_prev_obj_next, i))
+    _release(a_prev_obj, prev_n, a_scr, O_CARRY, stamp)
     tb[TB_PREV_N] = nc
     tb[TB_PREV_CUR] = 1 - cur
     tb[TB_STG_N] = ns

@@ -139,9 +139,6 @@ class RequestTable:
         self._prev_row = np.full((2, R), -1, np.int32)
         self._row_prev_pos = np.full((2, R), -1, np.int32)
         self._scratch = np.zeros((T.num_scratch_rows(ng), R), np.int32)
-        # keeps the previous update's id objects alive: the kernel compares
-        # object addresses against them, valid only while they cannot be freed
-        self._prev_keepalive: tuple = ()
         self._mirror = None
         token_ids = None
         if device is not None:
@@ -349,8 +346,6 @@ class RequestTable:
         if self._mirror is not None:
             self._mirror.begin_step()
         args = self._launch((fin, nid, nplen, npre, nblk, nnct, nmax, cid, cnct, cblk, cres))
-        if cached is not None:
-            self._prev_keepalive = tuple(args[7])
         if self._mirror is not None:
             self._mirror.end_step(int(self._ctx[T.TB_STG_N]))
 
@@ -372,7 +367,6 @@ class RequestTable:
                 ids = c.req_ids
                 status = T.tb_update(self._ix_addr, self._tb_addr, id(ids), id(c.num_computed_tokens), id(c.new_block_ids), 0)
                 if status == K.OK:
-                    self._prev_keepalive = tuple(ids)
                     return
                 # anything else (generic inputs, errors) takes the full path;
                 # a rejected kernel call has changed nothing
@@ -432,6 +426,25 @@ class RequestTable:
 
     def __contains__(self, req_id) -> bool:
         return req_id in self._index
+
+    def __del__(self):
+        # the kernels hold a reference to each id object of the current
+        # prediction buffer (see _table_kernels); give them back
+        try:
+            ctx = self._ctx
+            cur, n = int(ctx[T.TB_PREV_CUR]), int(ctx[T.TB_PREV_N])
+            objs = self._prev_obj[cur, :n].tolist()
+            ctx[T.TB_PREV_N] = 0
+        except AttributeError:  # __init__ did not finish
+            return
+        try:
+            from mtpstate._native import decref
+
+            for obj in objs:
+                if obj:
+                    decref(obj)
+        except Exception:  # pragma: no cover - interpreter shutdown
+            pass
 
     # -- device mirror -----------------------------------------------------
 

@@ -45,3 +45,9 @@ def test_table_bad_steps_nojit():
 
     for name in sorted(BAD_STEPS):
         test_bad_step_changes_nothing(name)
+
+
+def test_reference_counts_nojit():
+    from test_table import test_reference_counts_balance
+
+    test_reference_counts_balance()

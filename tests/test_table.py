@@ -272,3 +272,32 @@ def test_constructor_and_views():
     assert t.transfer_stats() == {"bytes": 0, "copies": 0}
     with pytest.raises(StateError):
         t.device_tensors
+
+
+def test_reference_counts_balance():
+    """The table holds exactly one reference to each id of the current
+    prediction, across identity hits, fresh ids, rejected steps and
+    finishes, and gives them all back when it is deleted."""
+    import gc
+
+    ids = [f"cmpl-{i:032x}-0" for i in range(50)]
+    base = [sys.getrefcount(x) for x in ids]
+    t = RequestTable(max_num_reqs=64, max_model_len=64)
+    t.apply(_so(new=[_new(r) for r in ids]))
+    for step in range(6):
+        keep = ids[step:]  # one finished per step
+        t.apply(_so(fin=[ids[step - 1]] if step else [], cached=_cached(keep, [1] * len(keep))))
+        t.apply(_so(cached=_cached(keep, [2] * len(keep))))  # identity hits
+        with pytest.raises(StateError):
+            t.apply(_so(cached=_cached(keep + ["zz"], [2] * (len(keep) + 1))))
+        fresh = pickle.loads(pickle.dumps(keep))
+        t.apply(_so(cached=_cached(fresh, [3] * len(keep))))  # byte-compare path
+        t.apply(_so(cached=_cached(keep, [4] * len(keep))))
+        n_keep = len(keep)
+        del keep, fresh
+        gc.collect()  # the rejected step's traceback held its lists
+        now = [sys.getrefcount(x) for x in ids]
+        assert [n - b for n, b in zip(now, base)] == [0] * step + [1] * n_keep
+    del t
+    gc.collect()
+    assert [sys.getrefcount(x) for x in ids] == base
