@@ -95,6 +95,7 @@ TB_FLAT_BT = 21  # addr int64[ng]: flat offset of each block table
 TB_FLAT_TOK = 22  # flat offset of token_ids; -1: not mirrored
 TB_VALIDATE_ONLY = 23  # 1: stop after pass 1 (dry run: validation only)
 TB_PREV_CUR = 24  # which prediction buffer is current
+TB_PREV_OWNED = 25  # 1: the table holds a reference to each object of the current buffer
 TB_SIZE = 32
 
 # scratch rows
@@ -180,6 +181,39 @@ def _release(a_obj, n, a_scr, o_carry, stamp):
             obj = ld64(a_obj, j)
             if obj != 0:
                 decref(obj)
+
+
+@jit
+def _commit_prediction(tb, a_scr, R, stamp, nc, hits, a_prev_obj, prev_n, a_prev_obj_next):
+    """Make the next prediction buffer current, with references.
+
+    Identity prediction needs the table to own a reference to each id object
+    it remembers (else an address could be reused by another object). When
+    ids are fresh objects every step (the scheduler runs in another process)
+    identity never hits, and owning them would only move their deallocation
+    into the next step; then the buffer keeps rows but no objects (address
+    0), except on every 16th update, which checks whether identity hits again.
+    Only the speed depends on this choice, never the result.
+    """
+    if prev_n == 0:
+        own_next = True  # no evidence yet
+    elif tb[TB_PREV_OWNED] != 0:
+        own_next = 2 * hits >= min(nc, prev_n)  # did identity pay off?
+    else:
+        own_next = (stamp & 15) == 0  # try again now and then
+    o_hit = S_HIT * R
+    if own_next:
+        for i in range(nc):
+            if ld32(a_scr, o_hit + i) != stamp:
+                incref(ld64(a_prev_obj_next, i))
+    else:
+        for i in range(nc):
+            st64(a_prev_obj_next, i, 0)
+    if tb[TB_PREV_OWNED] != 0:
+        _release(a_prev_obj, prev_n, a_scr, S_CARRY * R, stamp if own_next else -1)
+    tb[TB_PREV_OWNED] = 1 if own_next else 0
+    tb[TB_PREV_N] = nc
+    tb[TB_PREV_CUR] = 1 - tb[TB_PREV_CUR]
 
 
 @jit
@@ -414,6 +448,7 @@ def tb_step(ixc, tbc, fin, nid, nplen, npre, nblk, nnct, nmax, cid, cnct, cblk, 
         none = tp[5]
         true_ = tp[6]
         j = 0
+        hits = 0
         for i in range(nc):
             obj = _item(i_cid, i)
             row = ld32(a_prev_row, j) if j < prev_n and ld64(a_prev_obj, j) == obj else -1
@@ -422,6 +457,9 @@ def tb_step(ixc, tbc, fin, nid, nplen, npre, nblk, nnct, nmax, cid, cnct, cblk, 
             ptr = 0
             klen = 0
             if row >= 0:
+                st32(a_scr, S_CARRY * R + j, stamp)
+                st32(a_scr, S_HIT * R + i, stamp)
+                hits += 1
                 j += 1
             else:
                 row, j, st, h, ptr, klen = _predict_miss(
@@ -581,14 +619,10 @@ def tb_step(ixc, tbc, fin, nid, nplen, npre, nblk, nnct, nmax, cid, cnct, cblk, 
                         ns += 1
             # remember this update's order and objects for the next prediction
             # (row_prev_pos[r] is trusted only where prev_row points back at r)
-            obj = _item(i_cid, i)
-            st64(a_prev_obj_next, i, obj)
+            st64(a_prev_obj_next, i, _item(i_cid, i))
             st32(a_prev_row_next, i, r)
             st32(a_rpp_next, r, i)
-            incref(obj)
-        _release(a_prev_obj, prev_n, a_scr, S_CARRY * R, -1)
-        tb[TB_PREV_N] = nc
-        tb[TB_PREV_CUR] = 1 - cur
+        _commit_prediction(tb, a_scr, R, stamp, nc, hits, a_prev_obj, prev_n, a_prev_obj_next)
     tb[TB_STG_N] = ns
     return OK
 
@@ -679,6 +713,7 @@ def tb_update(ixc, tbc, cid, cnct, cblk, cres):
     none = tp[5]
     true_ = tp[6]
     j = 0
+    hits = 0
     ns = 0
     nstage_blocks = 0
     nblk = 0  # requests with new blocks, listed in the O_ROWS scratch row
@@ -690,6 +725,7 @@ def tb_update(ixc, tbc, cid, cnct, cblk, cres):
             # the reference the table holds moves to the next buffer
             st32(a_scr, O_CARRY + j, stamp)
             st32(a_scr, O_HIT + i, stamp)
+            hits += 1
             j += 1
         else:
             row, j, st, h, ptr, klen = _predict_miss(
@@ -781,11 +817,6 @@ def tb_update(ixc, tbc, cid, cnct, cblk, cres):
                 st64(a_stg_pos, ns, nbpos)
                 st32(a_stg_val, ns, start + c)
                 ns += 1
-    for i in range(nc):
-        if ld32(a_scr, O_HIT + i) != stamp:
-            incref(ld64(a_prev_obj_next, i))
-    _release(a_prev_obj, prev_n, a_scr, O_CARRY, stamp)
-    tb[TB_PREV_N] = nc
-    tb[TB_PREV_CUR] = 1 - cur
+    _commit_prediction(tb, a_scr, R, stamp, nc, hits, a_prev_obj, prev_n, a_prev_obj_next)
     tb[TB_STG_N] = ns
     return OK

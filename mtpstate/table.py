@@ -433,7 +433,7 @@ class RequestTable:
         try:
             ctx = self._ctx
             cur, n = int(ctx[T.TB_PREV_CUR]), int(ctx[T.TB_PREV_N])
-            objs = self._prev_obj[cur, :n].tolist()
+            objs = self._prev_obj[cur, :n].tolist() if ctx[T.TB_PREV_OWNED] else []
             ctx[T.TB_PREV_N] = 0
         except AttributeError:  # __init__ did not finish
             return

@@ -297,7 +297,16 @@ def test_reference_counts_balance():
         del keep, fresh
         gc.collect()  # the rejected step's traceback held its lists
         now = [sys.getrefcount(x) for x in ids]
-        assert [n - b for n, b in zip(now, base)] == [0] * step + [1] * n_keep
+        owned = int(t._ctx[25])  # TB_PREV_OWNED
+        assert [n - b for n, b in zip(now, base)] == [0] * step + [owned] * n_keep
+    # the same objects step after step: the table owns them and predicts by identity
+    keep = ids[6:]
+    for _ in range(20):
+        t.apply(_so(cached=_cached(keep, [5] * len(keep))))
+    assert int(t._ctx[25]) == 1
+    now = [sys.getrefcount(x) for x in ids]
+    assert [now[i] - base[i] for i in range(6, len(ids))] == [2] * len(keep)  # the table and the list `keep`
+    del keep
     del t
     gc.collect()
     assert [sys.getrefcount(x) for x in ids] == base
