@@ -111,7 +111,7 @@ def _pytypes(ctx):
     )
 
 
-@jit
+@jit(inline="always")
 def _key_of(obj, allow_bytes, tp):
     """(UTF-8 address, length, status) of a request id object."""
     t = load_i64(obj + OFF_TYPE)
@@ -125,7 +125,7 @@ def _key_of(obj, allow_bytes, tp):
     return 0, 0, E_NOT_CANONICAL
 
 
-@jit
+@jit(inline="always")
 def _key_tail(ptr, n):
     """The last, partial 8-byte word of a key (n % 8 != 0), zero padded."""
     off = n & ~7
@@ -213,7 +213,7 @@ def _slot_entry(h, row):
     return (np.int64(h >> np.uint64(33)) << 32) | np.int64(row)
 
 
-@jit
+@jit(inline="always")
 def _key_matches_row(keys, kw, r, ptr, n):
     # keys row layout: [length, word 0, word 1, ...], one row per request
     base = np.int64(r) * kw

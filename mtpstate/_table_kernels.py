@@ -203,20 +203,21 @@ def _commit_prediction(tb, a_scr, R, stamp, nc, hits, a_prev_obj, prev_n, a_prev
         own_next = (stamp & 15) == 0  # try again now and then
     o_hit = S_HIT * R
     if own_next:
-        for i in range(nc):
-            if ld32(a_scr, o_hit + i) != stamp:
-                incref(ld64(a_prev_obj_next, i))
+        if hits < nc:  # (in steady state every position was an identity hit)
+            for i in range(nc):
+                if ld32(a_scr, o_hit + i) != stamp:
+                    incref(ld64(a_prev_obj_next, i))
     else:
         for i in range(nc):
             st64(a_prev_obj_next, i, 0)
-    if tb[TB_PREV_OWNED] != 0:
+    if tb[TB_PREV_OWNED] != 0 and not (own_next and hits == prev_n):
         _release(a_prev_obj, prev_n, a_scr, S_CARRY * R, stamp if own_next else -1)
     tb[TB_PREV_OWNED] = 1 if own_next else 0
     tb[TB_PREV_N] = nc
     tb[TB_PREV_CUR] = 1 - tb[TB_PREV_CUR]
 
 
-@jit
+@jit(inline="always")
 def _predict_miss(obj, j, prev_n, a_prev_row, a_rpp, slots, mask, keys, kw, seed, hmask, allow, tp):
     """Row of the cached id ``obj`` at predicted position ``j`` of the
     previous update: (row or -1, next j, status, hash, key address, length).

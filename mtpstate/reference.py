@@ -24,7 +24,9 @@ class LoopRequestTable:
     """Same constructor, attributes and step semantics as
     :class:`mtpstate.RequestTable`, as a per-request Python loop."""
 
-    def __init__(self, max_num_reqs, max_model_len, block_sizes=(16,), max_num_blocks_per_group=None, **_):
+    def __init__(
+        self, max_num_reqs, max_model_len, block_sizes=(16,), max_num_blocks_per_group=None, prefault=True, **_
+    ):
         R, L = max_num_reqs, max_model_len
         widths = (
             [math.ceil(L / b) for b in block_sizes]
@@ -46,6 +48,9 @@ class LoopRequestTable:
         self.num_blocks = np.zeros((len(widths), R), np.int32)
         self.block_tables = [np.zeros((R, w), np.int32) for w in widths]
         self.token_ids = np.zeros((R, L), np.int32)
+        if prefault:  # as RequestTable does: no page faults inside steps
+            for a in (self.token_ids, *self.block_tables):
+                a.fill(0)
 
     def __len__(self):
         return len(self.req_id_to_index)
