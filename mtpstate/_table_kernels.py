@@ -96,6 +96,7 @@ TB_FLAT_TOK = 22  # flat offset of token_ids; -1: not mirrored
 TB_VALIDATE_ONLY = 23  # 1: stop after pass 1 (dry run: validation only)
 TB_PREV_CUR = 24  # which prediction buffer is current
 TB_PREV_OWNED = 25  # 1: the table holds a reference to each object of the current buffer
+TB_STG_DUPS = 26  # 1: this step staged some element twice (a row added and updated by it)
 TB_SIZE = 32
 
 # scratch rows
@@ -154,6 +155,19 @@ def _check_group(seq, tp):
         if v < 0 or v > INT32_MAX:
             return j, E_BLOCK_VALUE
     return n, OK
+
+
+@jit(inline="always")
+def _put(a_state, pos, v, staging, a_stg_pos, a_stg_val, ns):
+    """state[pos] = v; stage it for the device only if the value changed
+    (bytes shipped grow with what changed)."""
+    old = ld32(a_state, pos)
+    st32(a_state, pos, v)
+    if staging and old != v:
+        st64(a_stg_pos, ns, pos)
+        st32(a_stg_val, ns, v)
+        ns += 1
+    return ns
 
 
 @jit(inline="always")
@@ -284,6 +298,7 @@ def tb_step(ixc, tbc, fin, nid, nplen, npre, nblk, nnct, nmax, cid, cnct, cblk, 
     a_stg_val = tb[TB_STG_VAL]
     stamp = tb[TB_STAMP] + 1
     tb[TB_STAMP] = stamp
+    tb[TB_STG_DUPS] = 0
     O_ROWS = S_ROWS * R
     O_NCT = S_NCT * R
     O_FREE = S_FREE * R
@@ -485,6 +500,8 @@ def tb_step(ixc, tbc, fin, nid, nplen, npre, nblk, nnct, nmax, cid, cnct, cblk, 
                 row = ld32(a_scr, O_RED + row)
                 if row < 0:
                     return _err(tb, E_UNKNOWN, i, 1, PH_CACHED)
+            if nn > 0 and ld32(a_scr, O_NEW + row) == stamp:
+                tb[TB_STG_DUPS] = 1
             if ld32(a_scr, O_SEEN + row) == stamp:
                 return _err(tb, E_DUPLICATE, i, 0, PH_CACHED)
             st32(a_scr, O_SEEN + row, stamp)
@@ -592,15 +609,9 @@ def tb_step(ixc, tbc, fin, nid, nplen, npre, nblk, nnct, nmax, cid, cnct, cblk, 
         for i in range(nc):
             r = ld32(a_scr, O_ROWS + i)
             v = ld32(a_scr, O_NCT + i)
-            st32(a_state, F_NCT * R + r, v)
+            ns = _put(a_state, F_NCT * R + r, v, staging, a_stg_pos, a_stg_val, ns)
             m = min(v, ld32(a_state, F_PREFILL * R + r))
-            st32(a_state, F_NCPT * R + r, m)
-            if staging:
-                st64(a_stg_pos, ns, F_NCT * R + r)
-                st32(a_stg_val, ns, v)
-                st64(a_stg_pos, ns + 1, F_NCPT * R + r)
-                st32(a_stg_val, ns + 1, m)
-                ns += 2
+            ns = _put(a_state, F_NCPT * R + r, m, staging, a_stg_pos, a_stg_val, ns)
             b = _item(i_cblk, i)
             if b != none:
                 resumed = cres != 0 and _item(i_cres, i) == tp[6]
@@ -785,15 +796,9 @@ def tb_update(ixc, tbc, cid, cnct, cblk, cres):
             _undo_update(a_state, a_scr, a_prev_row_next, R, i)
             return _err(tb, code, i, arg, PH_CACHED)
         st32(a_scr, O_NCT + i, ld32(a_state, F_NCT * R + row))  # undo log
-        st32(a_state, F_NCT * R + row, v)
+        ns = _put(a_state, F_NCT * R + row, v, staging, a_stg_pos, a_stg_val, ns)
         m = min(v, ld32(a_state, F_PREFILL * R + row))
-        st32(a_state, F_NCPT * R + row, m)
-        if staging:
-            st64(a_stg_pos, ns, F_NCT * R + row)
-            st32(a_stg_val, ns, v)
-            st64(a_stg_pos, ns + 1, F_NCPT * R + row)
-            st32(a_stg_val, ns + 1, m)
-            ns += 2
+        ns = _put(a_state, F_NCPT * R + row, m, staging, a_stg_pos, a_stg_val, ns)
         st64(a_prev_obj_next, i, obj)
         st32(a_prev_row_next, i, row)
         st32(a_rpp_next, row, i)

@@ -355,7 +355,7 @@ class RequestTable:
             self._mirror.begin_step()
         args = self._launch((fin, nid, nplen, npre, nblk, nnct, nmax, cid, cnct, cblk, cres))
         if self._mirror is not None:
-            self._mirror.end_step(int(self._ctx[T.TB_STG_N]))
+            self._mirror.end_step(int(self._ctx[T.TB_STG_N]), deduplicate=bool(self._ctx[T.TB_STG_DUPS]))
 
     # -- public API --------------------------------------------------------
 
@@ -368,13 +368,18 @@ class RequestTable:
         so = scheduler_output
         fin = so.finished_req_ids
         pre = so.preempted_req_ids
-        if not fin and not pre and not so.scheduled_new_reqs and self._mirror is None:
+        if not fin and not pre and not so.scheduled_new_reqs:
             # steady-state fast path: only running requests are updated
             c = so.scheduled_cached_reqs
             if not getattr(c, "resumed_req_ids", None):
                 ids = c.req_ids
+                mirror = self._mirror
+                if mirror is not None:
+                    mirror.begin_step()
                 status = T.tb_update(self._ix_addr, self._tb_addr, id(ids), id(c.num_computed_tokens), id(c.new_block_ids), 0)
                 if status == K.OK:
+                    if mirror is not None:
+                        mirror.end_step(int(self._ctx[T.TB_STG_N]))
                     return
                 # anything else (generic inputs, errors) takes the full path;
                 # a rejected kernel call has changed nothing

@@ -1,0 +1,165 @@
+"""Device mirror: device tensors equal the host arrays after every step; the
+transfer volume of a steady decode step; CUDA-only checks (marked ``cuda``)."""
+
+import numpy as np
+import pytest
+from helpers import genericize
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+torch = pytest.importorskip("torch")
+
+from mtpstate import RequestTable, StateError  # noqa: E402
+from mtpstate.sim import CachedRequestData, SchedulerOutput, Simulator  # noqa: E402
+from mtpstate.workloads import steady_decode  # noqa: E402
+
+NAMES = ["num_computed_tokens", "num_computed_prefill_tokens", "prefill_len", "prompt_len", "max_seq_len", "num_blocks"]
+
+
+def assert_mirrored(t):
+    t.synchronize()
+    d = t.device_tensors
+    for name in [*NAMES, "token_ids"]:
+        np.testing.assert_array_equal(getattr(d, name).cpu().numpy(), getattr(t, name), err_msg=name)
+    for g, bt in enumerate(t.block_tables):
+        np.testing.assert_array_equal(d.block_tables[g].cpu().numpy(), bt, err_msg=f"block table {g}")
+
+
+sim_knobs = st.fixed_dictionaries(
+    {
+        "max_num_reqs": st.integers(1, 16),
+        "block_sizes": st.sampled_from([(16,), (4, 32)]),
+        "num_spec": st.integers(0, 3),
+        "accept": st.floats(0, 1),
+        "preempt_prob": st.floats(0, 0.4),
+        "abort_prob": st.floats(0, 0.3),
+        "abort_waiting_prob": st.floats(0, 0.3),
+        "prefix_hit_prob": st.floats(0, 0.5),
+        "remote_kv_prob": st.floats(0, 0.5),
+        "resume_mode": st.sampled_from(["new", "cached"]),
+        "seed": st.integers(0, 2**32),
+    }
+)
+
+
+@settings(max_examples=25)
+@given(knobs=sim_knobs, steps=st.integers(1, 40), on_device=st.booleans(), depth=st.integers(2, 4),
+       generic=st.booleans())
+def test_device_equals_host_after_every_step(knobs, steps, on_device, depth, generic):
+    cfg = dict(max_num_reqs=knobs["max_num_reqs"], max_model_len=200, block_sizes=knobs["block_sizes"])
+    sim = Simulator(**{**knobs, **cfg}, prompt_len=(1, 60), output_len=(1, 40))
+    t = RequestTable(**cfg, device="cpu",
+                     mirror_options={"ring_depth": depth, "token_ids_on_device": on_device, "staging_capacity": 8})
+    rng = np.random.default_rng(knobs["seed"])
+    for so in sim.run(steps):
+        t.apply(genericize(so, rng) if generic else so)
+        assert_mirrored(t)
+
+
+def test_update_arrays_and_phases_are_mirrored():
+    cfg = dict(max_num_reqs=8, max_model_len=128, block_sizes=(16,))
+    sim = Simulator(**cfg, num_spec=2, seed=4, prompt_len=(1, 50), output_len=(2, 30))
+    t = RequestTable(**cfg, device="cpu")
+    for so in sim.run(30):
+        t.finish(set(so.finished_req_ids) | set(so.preempted_req_ids or ()))
+        t.add(so.scheduled_new_reqs)
+        c = so.scheduled_cached_reqs
+        counts = [0 if b is None else len(b[0]) for b in c.new_block_ids]
+        offsets = [np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)]
+        values = [np.array([x for b in c.new_block_ids if b is not None for x in b[0]], np.int32)]
+        t.update_arrays(c.req_ids, np.array(c.num_computed_tokens, np.int64), offsets, values)
+        assert_mirrored(t)
+
+
+def test_rejected_step_stages_nothing():
+    setup, timed = steady_decode(16, steps=2)
+    t = RequestTable(max_num_reqs=16, max_model_len=16384, device="cpu")
+    for so in setup:
+        t.apply(so)
+    t.apply(timed[0])
+    assert_mirrored(t)
+    before = {n: getattr(t.device_tensors, n).clone() for n in NAMES}
+    bad = SchedulerOutput(scheduled_cached_reqs=CachedRequestData(["nope"], set(), [[]], [None], [1], [0]))
+    with pytest.raises(StateError):
+        t.apply(bad)
+    for n in NAMES:
+        assert torch.equal(before[n], getattr(t.device_tensors, n))
+    t.apply(timed[1])
+    assert_mirrored(t)
+
+
+def test_steady_decode_transfer_volume():
+    """N = 1024: well under 16 bytes per changed element, in at most 2 copies."""
+    n = 1024
+    setup, timed = steady_decode(n, steps=4)
+    t = RequestTable(max_num_reqs=n, max_model_len=16384, device="cpu")
+    for so in setup:
+        t.apply(so)
+    for so in timed:
+        before = [t._state.copy(), t.block_tables[0].copy()]
+        t.apply(so)
+        changed = int((before[0] != t._state).sum() + (before[1] != t.block_tables[0]).sum())
+        stats = t.transfer_stats()
+        assert stats["copies"] <= 2
+        assert stats["bytes"] <= 12 * changed + 64, (stats, changed)
+    assert_mirrored(t)
+
+
+def test_mirror_options_validated():
+    with pytest.raises(ValueError):
+        RequestTable(max_num_reqs=2, max_model_len=8, device="cpu", mirror_options={"ring_depth": 1})
+    if not torch.cuda.is_available():
+        with pytest.raises(StateError, match="CUDA"):
+            RequestTable(max_num_reqs=2, max_model_len=8, device="cuda")
+
+
+# ----------------------------------------------------------------------------
+# CUDA: run wherever a GPU is present (skipped otherwise)
+
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+@pytest.mark.cuda
+@cuda
+@pytest.mark.parametrize("on_device", [True, False])
+def test_cuda_device_equals_host(on_device):
+    cfg = dict(max_num_reqs=64, max_model_len=512, block_sizes=(16, 32))
+    sim = Simulator(**cfg, num_spec=3, accept=0.6, preempt_prob=0.2, abort_prob=0.1, abort_waiting_prob=0.1,
+                    prefix_hit_prob=0.2, remote_kv_prob=0.2, prompt_len=(1, 200), output_len=(1, 100), seed=9)
+    t = RequestTable(**cfg, device="cuda", mirror_options={"token_ids_on_device": on_device})
+    for so in sim.run(200):
+        t.apply(so)
+        assert_mirrored(t)
+
+
+@pytest.mark.cuda
+@cuda
+def test_cuda_slots_not_reused_while_copy_in_flight():
+    """The copy stream is held back (``torch.cuda._sleep``) while the host
+    applies many steps quickly: if a staging slot were refilled before its
+    copy ran, the device would end up with another step's values."""
+    cfg = dict(max_num_reqs=256, max_model_len=4096, block_sizes=(16,))
+    sim = Simulator(**cfg, num_spec=2, accept=0.5, prompt_len=(1, 300), output_len=(50, 400), seed=1)
+    t = RequestTable(**cfg, device="cuda", mirror_options={"ring_depth": 2})
+    stream = t._mirror._stream
+    for so in sim.run(150):
+        with torch.cuda.stream(stream):
+            torch.cuda._sleep(2_000_000)  # ~1 ms of GPU time before this step's copy
+        t.apply(so)
+    assert_mirrored(t)
+
+
+@pytest.mark.cuda
+@cuda
+def test_cuda_apply_returns_before_copy_completes():
+    setup, timed = steady_decode(1024, steps=2)
+    t = RequestTable(max_num_reqs=1024, max_model_len=16384, device="cuda")
+    for so in setup:
+        t.apply(so)
+    t.synchronize()
+    with torch.cuda.stream(t._mirror._stream):
+        torch.cuda._sleep(200_000_000)  # ~100 ms
+    t.apply(timed[0])
+    slot = t._mirror._slots[(t._mirror._next - 1) % t._mirror.ring_depth]
+    assert slot.event is not None and not slot.event.query()  # still in flight
+    assert_mirrored(t)
