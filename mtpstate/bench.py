@@ -80,14 +80,32 @@ def _time_tables(impls, n, setup, blobs, ids, repeats):
     return times
 
 
-def bench_table(sizes, quick, progress):
+def mirror_device() -> str | None:
+    """"cuda" when a GPU is there, "cpu" with a CPU-only torch, None without torch."""
+    try:
+        import torch
+    except ImportError:
+        return None
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+WORKLOADS = ("steady-decode", "steady-decode-fresh-ids", "mixed")
+
+
+def bench_table(sizes, quick, progress, mirror=True):
+    from functools import partial
+
     from mtpstate import RequestTable
-    from mtpstate.reference import LoopRequestTable
+    from mtpstate.reference import LoopMirroredRequestTable, LoopRequestTable
     from mtpstate.workloads import mixed, steady_decode
 
     impls = {"loop": LoopRequestTable, "vectorized": RequestTable}
+    device = mirror_device() if mirror else None
+    if device is not None:
+        impls["mirror"] = partial(RequestTable, device=device)
+        impls["loop-mirror"] = partial(LoopMirroredRequestTable, device=device)
     results = []
-    for workload in ("steady-decode", "steady-decode-fresh-ids", "mixed"):
+    for workload in WORKLOADS:
         for n in sizes:
             progress(f"{workload} N={n}")
             if workload == "mixed":
@@ -110,6 +128,7 @@ def bench_table(sizes, quick, progress):
                         "workload": workload,
                         "n": n,
                         "impl": impl,
+                        "device": device if "mirror" in impl else None,
                         "median_us": med,
                         "p10_us": _pct(ts, 10),
                         "p90_us": _pct(ts, 90),
@@ -189,15 +208,22 @@ def run(quick=False, sizes=None, json_path=None, plot_path=None, what=("table", 
     sizes = sizes or (QUICK_SIZES if quick else SIZES)
     warmup_s = warmup()
 
+    total = (len(WORKLOADS) * len(sizes) if "table" in what else 0) + (len(sizes) if "index" in what else 0)
+    done = [0]
+
     def progress(msg):
-        print(f"\r  running {msg:<40}", end="", file=sys.stderr, flush=True)
+        done[0] += 1
+        width = 30
+        fill = width * (done[0] - 1) // max(total, 1)
+        bar = "#" * fill + "." * (width - fill)
+        print(f"\r  [{bar}] {done[0]}/{total} {msg:<34}", end="", file=sys.stderr, flush=True)
 
     results = []
     if "table" in what:
         results += bench_table(sizes, quick, progress)
     if "index" in what:
         results += bench_index([n for n in sizes], quick, progress)
-    print("\r" + " " * 60 + "\r", end="", file=sys.stderr)
+    print("\r" + " " * 80 + "\r", end="", file=sys.stderr)
     machine = machine_info()
     out(format_table(machine, results, warmup_s))
     if json_path:

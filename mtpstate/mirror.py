@@ -47,6 +47,7 @@ class _Slot:
         # numpy views of the same memory: the kernels write through these
         self.pos_np = self.pos.numpy()
         self.val_np = self.val.numpy()
+        self.addrs = (self.pos.data_ptr(), self.val.data_ptr(), capacity)
         self.event = None
 
 
@@ -129,8 +130,16 @@ class DeviceMirror:
             block_tables=[f[o : o + R * w].view(R, w) for o, w in zip(offsets, t.max_num_blocks_per_group)],
             token_ids=f[tok_off : tok_off + R * L].view(R, L) if tok_off >= 0 else self._host_tok_tensor,
         )
-        self._dev_pos = torch.empty(len(self._slots[0].pos), dtype=torch.int64, device=self.device)
-        self._dev_val = torch.empty(len(self._slots[0].val), dtype=torch.int32, device=self.device)
+        self._alloc_device_buffers(len(self._slots[0].pos))
+
+    def _alloc_device_buffers(self, cap):
+        torch = self._torch
+        self._dev_pos = torch.empty(cap, dtype=torch.int64, device=self.device)
+        self._dev_val = torch.empty(cap, dtype=torch.int32, device=self.device)
+        if not self.is_cuda:  # numpy views of the CPU "device" memory
+            self._dev_pos_np = self._dev_pos.numpy()
+            self._dev_val_np = self._dev_val.numpy()
+            self._flat_np = self._flat.numpy()
 
     # -- per step ------------------------------------------------------------
 
@@ -143,7 +152,9 @@ class DeviceMirror:
                 slot.event.synchronize()  # its copy may still be reading it
                 slot.event = None
             self._open = slot
-            self.table._set_staging(slot.pos_np, slot.val_np, on=True)
+            ctx = self.table._ctx
+            ctx[T.TB_STG_POS], ctx[T.TB_STG_VAL], ctx[T.TB_STG_CAP] = slot.addrs
+            ctx[T.TB_STG_ON] = 1
         self.table._ctx[T.TB_STG_N] = 0
 
     def end_step(self, n: int, deduplicate: bool = False):
@@ -152,7 +163,7 @@ class DeviceMirror:
         slot = self._open
         self._open = None
         self._next = (self._next + 1) % len(self._slots)
-        self.table._set_staging(slot.pos_np, slot.val_np, on=False)
+        self.table._ctx[T.TB_STG_ON] = 0  # nothing is staged between steps
         if n == 0:
             self._last = {"bytes": 0, "copies": 0}
             return
@@ -183,11 +194,12 @@ class DeviceMirror:
             # the consumer's later work sees the update, without a host wait
             torch.cuda.current_stream(self.device).wait_stream(stream)
         else:
-            dpos = self._dev_pos[:n]
-            dval = self._dev_val[:n]
-            dpos.copy_(pos)
-            dval.copy_(val)
-            self._flat.index_copy_(0, dpos, dval)
+            # the same two copies and scatter, done by the host (no stream)
+            dpos = self._dev_pos_np[:n]
+            dval = self._dev_val_np[:n]
+            dpos[:] = slot.pos_np[:n]
+            dval[:] = slot.val_np[:n]
+            self._flat_np[dpos] = dval
         self._last = {"bytes": n * (8 + 4), "copies": 2}
 
     def stage_arrays(self, staged):
@@ -207,8 +219,7 @@ class DeviceMirror:
         torch = self._torch
         cap = max(need, 2 * len(self._slots[0].pos))
         self._slots = [_Slot(torch, cap, self.is_cuda) for _ in range(len(self._slots))]
-        self._dev_pos = torch.empty(cap, dtype=torch.int64, device=self.device)
-        self._dev_val = torch.empty(cap, dtype=torch.int32, device=self.device)
+        self._alloc_device_buffers(cap)
         if self._open is not None:
             self._open = None
             self.begin_step()

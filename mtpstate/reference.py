@@ -17,7 +17,7 @@ import math
 
 import numpy as np
 
-__all__ = ["LoopRequestTable", "LegacyRequestTable"]
+__all__ = ["LoopRequestTable", "LegacyRequestTable", "LoopMirroredRequestTable"]
 
 
 class LoopRequestTable:
@@ -142,3 +142,75 @@ class LegacyRequestTable(LoopRequestTable):
     def apply(self, so):
         super().apply(so)
         self._scheduled_last_step = dict(so.num_scheduled_tokens)
+
+
+class LoopMirroredRequestTable(LoopRequestTable):
+    """The loop engine's way of shipping state to a device: every write is
+    also staged per request into Python lists as (row, start, values) runs,
+    and at the end of the step the lists are copied into one buffer and
+    scattered into a flat torch tensor on ``device``. The baseline of the
+    mirror benchmarks."""
+
+    def __init__(self, *args, device="cpu", **kwargs):
+        import torch
+
+        super().__init__(*args, **kwargs)
+        self._torch = torch
+        R = self.max_num_reqs
+        self._fields = [self.num_computed_tokens, self.num_computed_prefill_tokens, self.prefill_len,
+                        self.prompt_len, self.max_seq_len]
+        self._bt_off = []
+        off = (5 + self.num_groups) * R
+        for w in self.max_num_blocks_per_group:
+            self._bt_off.append(off)
+            off += R * w
+        self._tok_off = off
+        off += R * self.max_model_len
+        self.flat = torch.zeros(off, dtype=torch.int32, device=device)
+        self._staged_rows: list[int] = []
+        self._staged_starts: list[int] = []
+        self._staged_values: list[list[int]] = []
+
+    def _stage(self, start, values):
+        self._staged_starts.append(start)
+        self._staged_values.append(values)
+
+    def add(self, new_reqs):
+        super().add(new_reqs)
+        R = self.max_num_reqs
+        for req in new_reqs:
+            row = self.req_id_to_index[req.req_id]
+            for f, arr in enumerate(self._fields):
+                self._stage(f * R + row, [int(arr[row])])
+            tokens = req.prefill_token_ids if req.prefill_token_ids is not None else req.prompt_token_ids
+            self._stage(self._tok_off + row * self.max_model_len, list(tokens))
+            for g, ids in enumerate(req.block_ids):
+                self._stage((5 + g) * R + row, [len(ids)])
+                self._stage(self._bt_off[g] + row * self.max_num_blocks_per_group[g], list(ids))
+
+    def update(self, cached):
+        super().update(cached)
+        R = self.max_num_reqs
+        for req_id, new_blocks in zip(cached.req_ids, cached.new_block_ids):
+            row = self.req_id_to_index[req_id]
+            self._stage(row, [int(self.num_computed_tokens[row])])
+            self._stage(R + row, [int(self.num_computed_prefill_tokens[row])])
+            if new_blocks is not None:
+                for g, ids in enumerate(new_blocks):
+                    n = int(self.num_blocks[g, row])
+                    self._stage((5 + g) * R + row, [n])
+                    w = self.max_num_blocks_per_group[g]
+                    self._stage(self._bt_off[g] + row * w + n - len(ids), list(ids))
+
+    def apply(self, so):
+        super().apply(so)
+        if not self._staged_starts:
+            return
+        lens = np.fromiter(map(len, self._staged_values), np.int64, len(self._staged_values))
+        starts = np.repeat(np.array(self._staged_starts, np.int64) - np.concatenate([[0], np.cumsum(lens)[:-1]]), lens)
+        pos = starts + np.arange(int(lens.sum()))
+        vals = np.fromiter((v for run in self._staged_values for v in run), np.int32, int(lens.sum()))
+        torch = self._torch
+        self.flat.index_copy_(0, torch.from_numpy(pos).to(self.flat.device), torch.from_numpy(vals).to(self.flat.device))
+        self._staged_starts.clear()
+        self._staged_values.clear()
