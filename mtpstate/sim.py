@@ -100,7 +100,10 @@ class SimConfig:
 
 
 class _Req:
-    __slots__ = ("req_id", "prompt", "output", "max_tokens", "nct", "blocks", "sent", "preempted", "ever_scheduled")
+    __slots__ = (
+        "req_id", "prompt", "output", "max_tokens", "nct", "blocks", "sent", "preempted", "ever_scheduled",
+        "prefill_target",
+    )
 
     def __init__(self, req_id, prompt, max_tokens, num_groups):
         self.req_id = req_id
@@ -112,6 +115,7 @@ class _Req:
         self.sent = False  # the runner knows it
         self.preempted = False
         self.ever_scheduled = False
+        self.prefill_target = len(prompt)  # tokens to prefill when (re)scheduled
 
     @property
     def prefill(self):
@@ -201,7 +205,7 @@ class Simulator:
         cached = out.scheduled_cached_reqs
         outcomes = []
         for req in self.running:
-            prefill_left = len(req.prefill) - req.nct
+            prefill_left = req.prefill_target - req.nct
             if prefill_left > 0:
                 n = min(prefill_left, budget)
                 drafts = 0
@@ -224,6 +228,7 @@ class Simulator:
         while self.waiting and len(self.running) < cfg.max_num_reqs and budget > 0:
             req = self.waiting[0]
             prefill = req.prefill
+            req.prefill_target = len(prefill)
             if not req.sent:
                 nct0 = 0
                 r = rng.random()
