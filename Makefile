@@ -18,7 +18,7 @@ test: $(STAMP)
 	$(PY) -m pytest -q benchmarks --benchmark-disable
 
 test-slow: $(STAMP)
-	$(PY) -m pytest -q -m slow
+	HYPOTHESIS_PROFILE=slow $(PY) -m pytest -q -m 'slow or not slow'
 
 bench: $(STAMP)
 	$(VENV)/bin/mtpstate bench

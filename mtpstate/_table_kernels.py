@@ -30,7 +30,6 @@ from mtpstate._kernels import (
     E_UNKNOWN,
     INT32_MAX,
     IX_ALLOW_BYTES,
-    IX_CAP,
     IX_FREE_HINT,
     IX_HMASK,
     IX_KW,
@@ -701,7 +700,6 @@ def tb_update(ixc, tbc, cid, cnct, cblk, cres):
     a_stg_val = tb[TB_STG_VAL]
     stamp = tb[TB_STAMP] + 1
     tb[TB_STAMP] = stamp
-    O_SEEN = S_SEEN * R
     O_NCT = S_NCT * R
     O_ROWS = S_ROWS * R
     O_HIT = S_HIT * R

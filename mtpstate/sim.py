@@ -298,3 +298,53 @@ class Simulator:
         """Yield ``steps`` scheduler outputs."""
         for _ in range(steps):
             yield self.step()
+
+
+_STEP_FIELDS = (
+    "finished_req_ids", "preempted_req_ids", "num_scheduled_tokens", "total_num_scheduled_tokens",
+    "scheduled_spec_decode_tokens",
+)
+_NEW_FIELDS = ("req_id", "prompt_token_ids", "prefill_token_ids", "num_computed_tokens")
+_CACHED_FIELDS = ("req_ids", "resumed_req_ids", "new_block_ids", "num_computed_tokens")
+
+
+def _norm(x):
+    if isinstance(x, (list, tuple)):
+        return [_norm(v) for v in x]
+    if isinstance(x, (set, frozenset)):
+        return set(x)
+    if isinstance(x, dict):
+        return {k: _norm(v) for k, v in x.items()}
+    return x
+
+
+def step_differences(a, b) -> list[str]:
+    """Compare two scheduler outputs by vLLM's attribute names (ours, or a
+    real ``vllm.v1.core.sched.output.SchedulerOutput``, or any object with the
+    same attributes); returns the attributes that differ, empty if none.
+    Containers compare by value (a tuple equals a list with the same items)."""
+    diffs = []
+    for f in _STEP_FIELDS:
+        x, y = getattr(a, f, None), getattr(b, f, None)
+        if f == "preempted_req_ids":
+            x, y = x or set(), y or set()
+        if _norm(x) != _norm(y):
+            diffs.append(f)
+    na, nb = a.scheduled_new_reqs, b.scheduled_new_reqs
+    if len(na) != len(nb):
+        diffs.append("scheduled_new_reqs")
+    else:
+        for i, (x, y) in enumerate(zip(na, nb)):
+            for f in _NEW_FIELDS:
+                if _norm(getattr(x, f)) != _norm(getattr(y, f)):
+                    diffs.append(f"scheduled_new_reqs[{i}].{f}")
+            if _norm(list(x.block_ids)) != _norm(list(y.block_ids)):
+                diffs.append(f"scheduled_new_reqs[{i}].block_ids")
+            mx = getattr(x.sampling_params, "max_tokens", None)
+            my = getattr(y.sampling_params, "max_tokens", None)
+            if mx != my:
+                diffs.append(f"scheduled_new_reqs[{i}].sampling_params.max_tokens")
+    for f in _CACHED_FIELDS:
+        if _norm(getattr(a.scheduled_cached_reqs, f)) != _norm(getattr(b.scheduled_cached_reqs, f)):
+            diffs.append(f"scheduled_cached_reqs.{f}")
+    return diffs

@@ -353,7 +353,7 @@ class RequestTable:
                 cres = [r in resumed for r in cid]
         if self._mirror is not None:
             self._mirror.begin_step()
-        args = self._launch((fin, nid, nplen, npre, nblk, nnct, nmax, cid, cnct, cblk, cres))
+        self._launch((fin, nid, nplen, npre, nblk, nnct, nmax, cid, cnct, cblk, cres))
         if self._mirror is not None:
             self._mirror.end_step(int(self._ctx[T.TB_STG_N]), deduplicate=bool(self._ctx[T.TB_STG_DUPS]))
 

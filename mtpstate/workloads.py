@@ -38,7 +38,7 @@ def steady_decode(n: int, steps: int = 8, num_spec: int = 2, seed: int = 0, fres
     for _ in range(steps):
         step_nct = nct.tolist()
         blocks = []
-        for i in range(n):
+        for _ in range(n):
             if rng.random() < block_fraction:
                 blocks.append(([nxt],))
                 nxt += 1

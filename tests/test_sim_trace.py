@@ -173,3 +173,32 @@ def test_cli_sim_replay_bench(tmp_path, capsys):
     assert {r["impl"] for r in b["results"]} >= {"loop", "vectorized", "dict", "index"}
     assert "speedup" in capsys.readouterr().out
     assert np.isfinite([r["median_us"] for r in b["results"]]).all()
+
+
+def test_compare_with_vllm_shaped_objects():
+    """A step compares equal, by attribute name, to a foreign object with
+    vLLM's attribute names and other container types."""
+    from types import SimpleNamespace as NS
+
+    from mtpstate.sim import step_differences
+
+    sim = Simulator(SimConfig(num_spec=2, seed=2, preempt_prob=0.3))
+    for so in sim.run(30):
+        foreign = NS(
+            finished_req_ids=frozenset(so.finished_req_ids),
+            preempted_req_ids=so.preempted_req_ids,
+            num_scheduled_tokens=dict(so.num_scheduled_tokens),
+            total_num_scheduled_tokens=so.total_num_scheduled_tokens,
+            scheduled_spec_decode_tokens={k: tuple(v) for k, v in so.scheduled_spec_decode_tokens.items()},
+            scheduled_new_reqs=[
+                NS(req_id=r.req_id, prompt_token_ids=tuple(r.prompt_token_ids), prefill_token_ids=r.prefill_token_ids,
+                   num_computed_tokens=r.num_computed_tokens, block_ids=list(r.block_ids),
+                   sampling_params=NS(max_tokens=r.sampling_params.max_tokens))
+                for r in so.scheduled_new_reqs
+            ],
+            scheduled_cached_reqs=NS(**vars(so.scheduled_cached_reqs)),
+        )
+        assert step_differences(so, foreign) == []
+        if so.scheduled_cached_reqs.req_ids:
+            foreign.scheduled_cached_reqs.num_computed_tokens = [n + 1 for n in so.scheduled_cached_reqs.num_computed_tokens]
+            assert step_differences(so, foreign) == ["scheduled_cached_reqs.num_computed_tokens"]

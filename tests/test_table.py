@@ -11,7 +11,14 @@ from helpers import assert_same_snapshot, assert_tables_agree, genericize, table
 from hypothesis import given
 from hypothesis import strategies as st
 
-from mtpstate import CapacityError, DuplicateRequestError, InvalidStepError, RequestTable, StateError, UnknownRequestError
+from mtpstate import (
+    CapacityError,
+    DuplicateRequestError,
+    InvalidStepError,
+    RequestTable,
+    StateError,
+    UnknownRequestError,
+)
 from mtpstate.reference import LoopRequestTable
 from mtpstate.sim import CachedRequestData, NewRequestData, SamplingParams, SchedulerOutput, Simulator
 
@@ -310,3 +317,39 @@ def test_reference_counts_balance():
     del t
     gc.collect()
     assert [sys.getrefcount(x) for x in ids] == base
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["new", "cached"])
+def test_long_differential_traces(mode):
+    """Exhaustive: long, busy traces at a few hundred running requests."""
+    cfg = dict(max_num_reqs=256, max_model_len=2048, block_sizes=(16, 64))
+    for seed in range(3):
+        sim = Simulator(**cfg, num_spec=3, accept=0.6, arrivals_per_step=8, preempt_prob=0.3, abort_prob=0.2,
+                        abort_waiting_prob=0.2, prefix_hit_prob=0.3, remote_kv_prob=0.2, resume_mode=mode,
+                        prompt_len=(1, 600), output_len=(1, 300), seed=seed)
+        fast, loop = RequestTable(**cfg), LoopRequestTable(**cfg)
+        for so in sim.run(1500):
+            fast.apply(so)
+            loop.apply(so)
+            assert_tables_agree(fast, loop)
+
+
+def test_works_without_torch():
+    """torch is optional: a host-only table never imports it, and asking for
+    a device without it is a clear StateError."""
+    script = """
+import sys
+sys.modules["torch"] = None  # any import of torch now fails
+import mtpstate
+from mtpstate.sim import Simulator
+t = mtpstate.RequestTable(max_num_reqs=8, max_model_len=256)
+for so in Simulator(max_num_reqs=8, max_model_len=256, seed=1).run(20):
+    t.apply(so)
+try:
+    mtpstate.RequestTable(max_num_reqs=8, max_model_len=256, device="cpu")
+except mtpstate.StateError as e:
+    print("refused:", e)
+"""
+    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True)
+    assert "refused: the device mirror needs torch" in r.stdout
