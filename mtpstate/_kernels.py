@@ -107,7 +107,14 @@ def _set_err(ctx, code, pos, arg, phase):
 @jit
 def _pytypes(ctx):
     return (
-        ctx[IX_T_LIST], ctx[IX_T_TUPLE], ctx[IX_T_STR], ctx[IX_T_BYTES], ctx[IX_T_INT], ctx[IX_NONE], ctx[IX_TRUE], ctx[IX_FALSE]
+        ctx[IX_T_LIST],
+        ctx[IX_T_TUPLE],
+        ctx[IX_T_STR],
+        ctx[IX_T_BYTES],
+        ctx[IX_T_INT],
+        ctx[IX_NONE],
+        ctx[IX_TRUE],
+        ctx[IX_FALSE],
     )
 
 

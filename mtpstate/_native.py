@@ -283,9 +283,7 @@ def _capi_err_occurred_clear(typingctx):
 
     def codegen(context, builder, signature, args):
         occ = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_I8P, []), "PyErr_Occurred")
-        clr = cgutils.get_or_insert_function(
-            builder.module, ir.FunctionType(ir.VoidType(), []), "PyErr_Clear"
-        )
+        clr = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ir.VoidType(), []), "PyErr_Clear")
         res = builder.call(occ, [])
         isset = builder.icmp_unsigned("!=", res, ir.Constant(_I8P, None))
         with builder.if_then(isset):

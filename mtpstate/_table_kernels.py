@@ -109,9 +109,8 @@ S_NEWPOS = 6  # row -> index of that new request
 S_FREED = 7  # list of freed rows
 S_NEWROW = 8  # new request index -> row
 S_PRIOR = 9  # new request index -> its live row before the step, -1
-S_HIT = 10  # stamp: next-buffer position i holds the same object as a current one
-S_CARRY = 11  # stamp: current-buffer position j was carried over to the next
-S_NB0 = 12  # + g: per-new-request block counts of group g
+S_MISS = 10  # positions of this update that were not identity hits (a list)
+S_NB0 = 11  # + g: per-new-request block counts of group g
 
 
 def num_scratch_rows(ng):
@@ -186,18 +185,7 @@ def _write_group(seq, tp, a_bt, w, row, start, staging, a_stg_pos, a_stg_val, ns
 
 
 @jit
-def _release(a_obj, n, a_scr, o_carry, stamp):
-    """Drop the table's references to the objects of a prediction buffer,
-    except those carried over to the next one."""
-    for j in range(n):
-        if ld32(a_scr, o_carry + j) != stamp:
-            obj = ld64(a_obj, j)
-            if obj != 0:
-                decref(obj)
-
-
-@jit
-def _commit_prediction(tb, a_scr, R, stamp, nc, hits, a_prev_obj, prev_n, a_prev_obj_next):
+def _commit_prediction(tb, a_scr, R, stamp, nc, hits, nmiss, a_prev_obj, prev_n, a_prev_obj_next):
     """Make the next prediction buffer current, with references.
 
     Identity prediction needs the table to own a reference to each id object
@@ -207,24 +195,35 @@ def _commit_prediction(tb, a_scr, R, stamp, nc, hits, a_prev_obj, prev_n, a_prev
     into the next step; then the buffer keeps rows but no objects (address
     0), except on every 16th update, which checks whether identity hits again.
     Only the speed depends on this choice, never the result.
+
+    Each identity hit consumed a distinct current position (a repeated object
+    would have been rejected as a duplicate), so ``hits == prev_n`` means
+    every current reference moved to the next buffer: then only the misses
+    need a new reference, and nothing is released (the steady state).
     """
+    cur_owned = tb[TB_PREV_OWNED] != 0
     if prev_n == 0:
         own_next = True  # no evidence yet
-    elif tb[TB_PREV_OWNED] != 0:
+    elif cur_owned:
         own_next = 2 * hits >= min(nc, prev_n)  # did identity pay off?
     else:
         own_next = (stamp & 15) == 0  # try again now and then
-    o_hit = S_HIT * R
-    if own_next:
-        if hits < nc:  # (in steady state every position was an identity hit)
-            for i in range(nc):
-                if ld32(a_scr, o_hit + i) != stamp:
-                    incref(ld64(a_prev_obj_next, i))
+    o_miss = S_MISS * R
+    if own_next and cur_owned and hits == prev_n:
+        for k in range(nmiss):
+            incref(ld64(a_prev_obj_next, ld32(a_scr, o_miss + k)))
     else:
+        # +1 for every remembered object, -1 for every forgotten one
         for i in range(nc):
-            st64(a_prev_obj_next, i, 0)
-    if tb[TB_PREV_OWNED] != 0 and not (own_next and hits == prev_n):
-        _release(a_prev_obj, prev_n, a_scr, S_CARRY * R, stamp if own_next else -1)
+            if own_next:
+                incref(ld64(a_prev_obj_next, i))
+            else:
+                st64(a_prev_obj_next, i, 0)
+        if cur_owned:
+            for j in range(prev_n):
+                obj = ld64(a_prev_obj, j)
+                if obj != 0:
+                    decref(obj)
     tb[TB_PREV_OWNED] = 1 if own_next else 0
     tb[TB_PREV_N] = nc
     tb[TB_PREV_CUR] = 1 - tb[TB_PREV_CUR]
@@ -464,6 +463,7 @@ def tb_step(ixc, tbc, fin, nid, nplen, npre, nblk, nnct, nmax, cid, cnct, cblk, 
         true_ = tp[6]
         j = 0
         hits = 0
+        nmiss = 0
         for i in range(nc):
             obj = _item(i_cid, i)
             row = ld32(a_prev_row, j) if j < prev_n and ld64(a_prev_obj, j) == obj else -1
@@ -472,11 +472,11 @@ def tb_step(ixc, tbc, fin, nid, nplen, npre, nblk, nnct, nmax, cid, cnct, cblk, 
             ptr = 0
             klen = 0
             if row >= 0:
-                st32(a_scr, S_CARRY * R + j, stamp)
-                st32(a_scr, S_HIT * R + i, stamp)
                 hits += 1
                 j += 1
             else:
+                st32(a_scr, S_MISS * R + nmiss, i)
+                nmiss += 1
                 row, j, st, h, ptr, klen = _predict_miss(
                     obj, j, prev_n, a_prev_row, a_rpp, slots, mask, keys, kw, seed, hmask, allow, tp
                 )
@@ -590,8 +590,17 @@ def tb_step(ixc, tbc, fin, nid, nplen, npre, nblk, nnct, nmax, cid, cnct, cblk, 
                 c = scr[O_NB + g * R + k]
                 state[(F_NB + g) * R + r] = c
                 ns = _write_group(
-                    _item(b_items, g), tp, bt_addr[g], bt_w[g], r, 0,
-                    staging, a_stg_pos, a_stg_val, ns, flat_bt[g],
+                    _item(b_items, g),
+                    tp,
+                    bt_addr[g],
+                    bt_w[g],
+                    r,
+                    0,
+                    staging,
+                    a_stg_pos,
+                    a_stg_val,
+                    ns,
+                    flat_bt[g],
                 )
             if staging:
                 for f in range(F_NB + ng):
@@ -620,8 +629,17 @@ def tb_step(ixc, tbc, fin, nid, nplen, npre, nblk, nnct, nmax, cid, cnct, cblk, 
                     start = 0 if resumed else ld32(a_state, nbpos)
                     gi, c, ok = _seq(_item(b_items, g), tp)
                     ns = _write_group(
-                        _item(b_items, g), tp, bt_addr[g], bt_w[g], r, start,
-                        staging, a_stg_pos, a_stg_val, ns, flat_bt[g],
+                        _item(b_items, g),
+                        tp,
+                        bt_addr[g],
+                        bt_w[g],
+                        r,
+                        start,
+                        staging,
+                        a_stg_pos,
+                        a_stg_val,
+                        ns,
+                        flat_bt[g],
                     )
                     st32(a_state, nbpos, start + c)
                     if staging:
@@ -633,7 +651,7 @@ def tb_step(ixc, tbc, fin, nid, nplen, npre, nblk, nnct, nmax, cid, cnct, cblk, 
             st64(a_prev_obj_next, i, _item(i_cid, i))
             st32(a_prev_row_next, i, r)
             st32(a_rpp_next, r, i)
-        _commit_prediction(tb, a_scr, R, stamp, nc, hits, a_prev_obj, prev_n, a_prev_obj_next)
+        _commit_prediction(tb, a_scr, R, stamp, nc, hits, nmiss, a_prev_obj, prev_n, a_prev_obj_next)
     tb[TB_STG_N] = ns
     return OK
 
@@ -702,8 +720,7 @@ def tb_update(ixc, tbc, cid, cnct, cblk, cres):
     tb[TB_STAMP] = stamp
     O_NCT = S_NCT * R
     O_ROWS = S_ROWS * R
-    O_HIT = S_HIT * R
-    O_CARRY = S_CARRY * R
+    O_MISS = S_MISS * R
     i_cid, nc, ok = _seq(cid, tp)
     i_cnct, n1, ok1 = _seq(cnct, tp)
     i_cblk, n2, ok2 = _seq(cblk, tp)
@@ -724,6 +741,7 @@ def tb_update(ixc, tbc, cid, cnct, cblk, cres):
     true_ = tp[6]
     j = 0
     hits = 0
+    nmiss = 0
     ns = 0
     nstage_blocks = 0
     nblk = 0  # requests with new blocks, listed in the O_ROWS scratch row
@@ -732,12 +750,12 @@ def tb_update(ixc, tbc, cid, cnct, cblk, cres):
         row = ld32(a_prev_row, j) if j < prev_n and ld64(a_prev_obj, j) == obj else -1
         st = OK
         if row >= 0:
-            # the reference the table holds moves to the next buffer
-            st32(a_scr, O_CARRY + j, stamp)
-            st32(a_scr, O_HIT + i, stamp)
+            # (the reference the table holds moves to the next buffer)
             hits += 1
             j += 1
         else:
+            st32(a_scr, O_MISS + nmiss, i)
+            nmiss += 1
             row, j, st, h, ptr, klen = _predict_miss(
                 obj, j, prev_n, a_prev_row, a_rpp, slots, mask, keys, kw, seed, hmask, allow, tp
             )
@@ -821,6 +839,6 @@ def tb_update(ixc, tbc, cid, cnct, cblk, cres):
                 st64(a_stg_pos, ns, nbpos)
                 st32(a_stg_val, ns, start + c)
                 ns += 1
-    _commit_prediction(tb, a_scr, R, stamp, nc, hits, a_prev_obj, prev_n, a_prev_obj_next)
+    _commit_prediction(tb, a_scr, R, stamp, nc, hits, nmiss, a_prev_obj, prev_n, a_prev_obj_next)
     tb[TB_STG_N] = ns
     return OK

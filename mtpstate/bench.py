@@ -81,7 +81,7 @@ def _time_tables(impls, n, setup, blobs, ids, repeats):
 
 
 def mirror_device() -> str | None:
-    """"cuda" when a GPU is there, "cpu" with a CPU-only torch, None without torch."""
+    """ "cuda" when a GPU is there, "cpu" with a CPU-only torch, None without torch."""
     try:
         import torch
     except ImportError:
@@ -92,18 +92,46 @@ def mirror_device() -> str | None:
 WORKLOADS = ("steady-decode", "steady-decode-fresh-ids", "mixed")
 
 
+def _rows(workload, n, times, base, device):
+    """Result rows of one paired pass; speedups against ``base``."""
+    out = []
+    base_med = statistics.median(times[base]) * 1e6
+    for impl, ts in times.items():
+        med = statistics.median(ts) * 1e6
+        ratios = np.array(times[base]) / np.array(ts)
+        out.append(
+            {
+                "workload": workload,
+                "n": n,
+                "impl": impl,
+                "baseline": base,
+                "device": device if "mirror" in impl else None,
+                "median_us": med,
+                "p10_us": _pct(ts, 10),
+                "p90_us": _pct(ts, 90),
+                "ns_per_request": med * 1e3 / max(n, 1),
+                "speedup": base_med / med,
+                "paired_speedup_median": float(np.median(ratios)),
+                "paired_speedup_p10": float(np.percentile(ratios, 10)),
+                "paired_speedup_p90": float(np.percentile(ratios, 90)),
+                "samples": len(ts),
+            }
+        )
+    return out
+
+
 def bench_table(sizes, quick, progress, mirror=True):
+    """Two paired passes per workload and N: loop vs vectorized (host only);
+    then, with torch, vectorized vs mirror vs loop-mirror, which gives the
+    mirror's overhead over host-only apply and its speedup over the loop
+    engine's staging."""
     from functools import partial
 
     from mtpstate import RequestTable
     from mtpstate.reference import LoopMirroredRequestTable, LoopRequestTable
     from mtpstate.workloads import mixed, steady_decode
 
-    impls = {"loop": LoopRequestTable, "vectorized": RequestTable}
     device = mirror_device() if mirror else None
-    if device is not None:
-        impls["mirror"] = partial(RequestTable, device=device)
-        impls["loop-mirror"] = partial(LoopMirroredRequestTable, device=device)
     results = []
     for workload in WORKLOADS:
         for n in sizes:
@@ -118,28 +146,21 @@ def bench_table(sizes, quick, progress, mirror=True):
             repeats = max(2 if quick else 3, (300 if quick else 3000) // max(n, 1))
             if workload == "mixed":
                 repeats = 1 if quick else 3
-            times = _time_tables(impls, n, setup, blobs, ids, repeats)
-            base = statistics.median(times["loop"]) * 1e6
-            for impl, ts in times.items():
-                med = statistics.median(ts) * 1e6
-                ratios = np.array(times["loop"]) / np.array(ts)
-                results.append(
-                    {
-                        "workload": workload,
-                        "n": n,
-                        "impl": impl,
-                        "device": device if "mirror" in impl else None,
-                        "median_us": med,
-                        "p10_us": _pct(ts, 10),
-                        "p90_us": _pct(ts, 90),
-                        "ns_per_request": med * 1e3 / max(n, 1),
-                        "speedup": base / med,
-                        "paired_speedup_median": float(np.median(ratios)),
-                        "paired_speedup_p10": float(np.percentile(ratios, 10)),
-                        "paired_speedup_p90": float(np.percentile(ratios, 90)),
-                        "samples": len(ts),
-                    }
-                )
+            host = {"loop": LoopRequestTable, "vectorized": RequestTable}
+            results += _rows(workload, n, _time_tables(host, n, setup, blobs, ids, repeats), "loop", None)
+            if device is not None:
+                impls = {
+                    "vectorized": RequestTable,
+                    "mirror": partial(RequestTable, device=device),
+                    "loop-mirror": partial(LoopMirroredRequestTable, device=device),
+                }
+                times = _time_tables(impls, n, setup, blobs, ids, repeats)
+                rows = _rows(workload, n, {k: times[k] for k in ("loop-mirror", "mirror")}, "loop-mirror", device)
+                overhead = np.array(times["mirror"]) / np.array(times["vectorized"])
+                rows[1]["overhead_vs_host_median"] = float(np.median(overhead))
+                rows[1]["overhead_vs_host_p10"] = float(np.percentile(overhead, 10))
+                rows[1]["overhead_vs_host_p90"] = float(np.percentile(overhead, 90))
+                results += rows
     return results
 
 
@@ -165,37 +186,27 @@ def bench_index(sizes, quick, progress):
             t2 = time.perf_counter()
             a.append(t1 - t0)
             b.append(t2 - t1)
-        base = statistics.median(a) * 1e6
-        for impl, ts in (("dict", a), ("index", b)):
-            med = statistics.median(ts) * 1e6
-            results.append(
-                {
-                    "workload": "index-lookup-fresh-ids",
-                    "n": n,
-                    "impl": impl,
-                    "median_us": med,
-                    "p10_us": _pct(ts, 10),
-                    "p90_us": _pct(ts, 90),
-                    "ns_per_request": med * 1e3 / n,
-                    "speedup": base / med,
-                    "samples": len(ts),
-                }
-            )
+        results += _rows("index-lookup-fresh-ids", n, {"dict": a, "index": b}, "dict", None)
     return results
 
 
 def format_table(machine, results, warmup_s) -> str:
     lines = [
-        "mtpstate bench: "
-        + ", ".join(f"{k}={v}" for k, v in machine.items()),
+        "mtpstate bench: " + ", ".join(f"{k}={v}" for k, v in machine.items()),
         f"kernel compile/cache-load (warmup, excluded from timings): {warmup_s * 1e3:.1f} ms",
         "",
-        f"{'workload':<26}{'N':>7}  {'impl':<11}{'median us':>11}{'p10':>10}{'p90':>10}{'ns/req':>9}{'speedup':>9}",
+        f"{'workload':<26}{'N':>7}  {'impl':<12}{'median us':>11}{'p10':>10}{'p90':>10}{'ns/req':>9}"
+        f"{'speedup':>9}  {'(vs)':<12}{'paired p10-p90':>15}",
     ]
     for r in results:
+        extra = ""
+        if "overhead_vs_host_median" in r:
+            extra = f"  mirror/host-only {r['overhead_vs_host_median']:.2f}x"
+        base = r.get("baseline", "")
         lines.append(
-            f"{r['workload']:<26}{r['n']:>7}  {r['impl']:<11}{r['median_us']:>11.2f}{r['p10_us']:>10.2f}"
-            f"{r['p90_us']:>10.2f}{r['ns_per_request']:>9.1f}{r['speedup']:>8.1f}x"
+            f"{r['workload']:<26}{r['n']:>7}  {r['impl']:<12}{r['median_us']:>11.2f}{r['p10_us']:>10.2f}"
+            f"{r['p90_us']:>10.2f}{r['ns_per_request']:>9.1f}{r['speedup']:>8.1f}x  {base:<12}"
+            f"{r.get('paired_speedup_p10', 0):>7.1f}-{r.get('paired_speedup_p90', 0):<6.1f}{extra}"
         )
     return "\n".join(lines)
 

@@ -63,12 +63,22 @@ def main(argv=None) -> int:
         from mtpstate.trace import record
 
         cfg = SimConfig(
-            max_num_reqs=args.max_num_reqs, max_model_len=args.max_model_len,
-            max_num_batched_tokens=args.max_num_batched_tokens, block_sizes=args.block_sizes,
-            arrivals_per_step=args.arrivals, prompt_len=args.prompt_len, output_len=args.output_len,
-            num_spec=args.num_spec, accept=args.accept, preempt_prob=args.preempt, abort_prob=args.abort,
-            abort_waiting_prob=args.abort_waiting, prefix_hit_prob=args.prefix_hit, remote_kv_prob=args.remote_kv,
-            resume_mode=args.resume_mode, seed=args.seed,
+            max_num_reqs=args.max_num_reqs,
+            max_model_len=args.max_model_len,
+            max_num_batched_tokens=args.max_num_batched_tokens,
+            block_sizes=args.block_sizes,
+            arrivals_per_step=args.arrivals,
+            prompt_len=args.prompt_len,
+            output_len=args.output_len,
+            num_spec=args.num_spec,
+            accept=args.accept,
+            preempt_prob=args.preempt,
+            abort_prob=args.abort,
+            abort_waiting_prob=args.abort_waiting,
+            prefix_hit_prob=args.prefix_hit,
+            remote_kv_prob=args.remote_kv,
+            resume_mode=args.resume_mode,
+            seed=args.seed,
         )
         tr = record(cfg, args.steps, args.out, progress=lambda i, n: _bar("sim", i, n))
         n_req = len({x for so in tr.steps for x in so.num_scheduled_tokens})

@@ -170,7 +170,9 @@ class RequestIndex:
         if status == K.E_DUPLICATE:
             raise DuplicateRequestError(f"request id {rid!r} appears twice in the batch (positions {arg} and {pos})")
         if status == K.E_CAPACITY:
-            raise CapacityError(f"cannot insert {arg} ids: only {self._capacity - len(self)} of {self._capacity} rows are free")
+            raise CapacityError(
+                f"cannot insert {arg} ids: only {self._capacity - len(self)} of {self._capacity} rows are free"
+            )
         raise StateError(f"internal error: kernel status {status} at position {pos}")  # pragma: no cover
 
     @staticmethod

@@ -157,8 +157,13 @@ class LoopMirroredRequestTable(LoopRequestTable):
         super().__init__(*args, **kwargs)
         self._torch = torch
         R = self.max_num_reqs
-        self._fields = [self.num_computed_tokens, self.num_computed_prefill_tokens, self.prefill_len,
-                        self.prompt_len, self.max_seq_len]
+        self._fields = [
+            self.num_computed_tokens,
+            self.num_computed_prefill_tokens,
+            self.prefill_len,
+            self.prompt_len,
+            self.max_seq_len,
+        ]
         self._bt_off = []
         off = (5 + self.num_groups) * R
         for w in self.max_num_blocks_per_group:
@@ -211,6 +216,8 @@ class LoopMirroredRequestTable(LoopRequestTable):
         pos = starts + np.arange(int(lens.sum()))
         vals = np.fromiter((v for run in self._staged_values for v in run), np.int32, int(lens.sum()))
         torch = self._torch
-        self.flat.index_copy_(0, torch.from_numpy(pos).to(self.flat.device), torch.from_numpy(vals).to(self.flat.device))
+        self.flat.index_copy_(
+            0, torch.from_numpy(pos).to(self.flat.device), torch.from_numpy(vals).to(self.flat.device)
+        )
         self._staged_starts.clear()
         self._staged_values.clear()

@@ -70,8 +70,13 @@ def plot_drift(result, path, title=""):
 
     fig, ax = plt.subplots(figsize=(8, 4))
     for impl, r in result["impls"].items():
-        ax.plot(range(1, len(r["drift_per_step"]) + 1), r["drift_per_step"], label=f"{impl} (max {r['max_drift']})",
-                lw=2 if impl == "legacy" else 1.2, ls="-" if impl == "legacy" else "--")
+        ax.plot(
+            range(1, len(r["drift_per_step"]) + 1),
+            r["drift_per_step"],
+            label=f"{impl} (max {r['max_drift']})",
+            lw=2 if impl == "legacy" else 1.2,
+            ls="-" if impl == "legacy" else "--",
+        )
     ax.set_xlabel("step")
     ax.set_ylabel("max |num_computed_tokens - scheduler| (tokens)")
     ax.set_title(title or "drift of num_computed_tokens from the scheduler")

@@ -101,7 +101,15 @@ class SimConfig:
 
 class _Req:
     __slots__ = (
-        "req_id", "prompt", "output", "max_tokens", "nct", "blocks", "sent", "preempted", "ever_scheduled",
+        "req_id",
+        "prompt",
+        "output",
+        "max_tokens",
+        "nct",
+        "blocks",
+        "sent",
+        "preempted",
+        "ever_scheduled",
         "prefill_target",
     )
 
@@ -301,7 +309,10 @@ class Simulator:
 
 
 _STEP_FIELDS = (
-    "finished_req_ids", "preempted_req_ids", "num_scheduled_tokens", "total_num_scheduled_tokens",
+    "finished_req_ids",
+    "preempted_req_ids",
+    "num_scheduled_tokens",
+    "total_num_scheduled_tokens",
     "scheduled_spec_decode_tokens",
 )
 _NEW_FIELDS = ("req_id", "prompt_token_ids", "prefill_token_ids", "num_computed_tokens")

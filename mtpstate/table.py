@@ -151,7 +151,9 @@ class RequestTable:
 
             self._mirror = DeviceMirror(self, device, **(mirror_options or {}))
             token_ids = self._mirror.host_token_ids
-        self.token_ids = token_ids if token_ids is not None else np.zeros((R, L), np.int32)  # [max_num_reqs, max_model_len]
+        self.token_ids = (
+            token_ids if token_ids is not None else np.zeros((R, L), np.int32)
+        )  # [max_num_reqs, max_model_len]
         if prefault:
             for a in (self._state, self.token_ids, *self.block_tables, self._scratch):
                 a.fill(0)
@@ -376,7 +378,9 @@ class RequestTable:
                 mirror = self._mirror
                 if mirror is not None:
                     mirror.begin_step()
-                status = T.tb_update(self._ix_addr, self._tb_addr, id(ids), id(c.num_computed_tokens), id(c.new_block_ids), 0)
+                status = T.tb_update(
+                    self._ix_addr, self._tb_addr, id(ids), id(c.num_computed_tokens), id(c.new_block_ids), 0
+                )
                 if status == K.OK:
                     if mirror is not None:
                         mirror.end_step(int(self._ctx[T.TB_STG_N]))

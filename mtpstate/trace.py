@@ -72,8 +72,10 @@ def _encode(steps, truth, ng):
             i = ids[r] = len(ids)
         return i
 
-    cols = {name: _Ragged() for name in ("fin", "pre", "new", "cached", "sched_id", "sched_n", "spec_id", "truth_id",
-                                         "truth_n")}
+    cols = {
+        name: _Ragged()
+        for name in ("fin", "pre", "new", "cached", "sched_id", "sched_n", "spec_id", "truth_id", "truth_n")
+    }
     pre_none, total = [], []
     new_cols = {k: [] for k in ("id", "nct", "max_tokens", "has_prefill")}
     new_prompt, new_prefill, spec_tok = _Ragged(), _Ragged(), _Ragged()
@@ -128,8 +130,12 @@ def _encode(steps, truth, ng):
         arrays["new_" + k] = np.asarray(v, np.int64)
     for k, v in c_cols.items():
         arrays["c_" + k] = np.asarray(v, np.int64)
-    for name, rag in (("new_prompt", new_prompt), ("new_prefill", new_prefill), ("spec_tok", spec_tok),
-                      ("c_newtok", c_newtok)):
+    for name, rag in (
+        ("new_prompt", new_prompt),
+        ("new_prefill", new_prefill),
+        ("spec_tok", spec_tok),
+        ("c_newtok", c_newtok),
+    ):
         arrays[name + "_off"], arrays[name] = rag.arrays(np.int64)
     for g in range(ng):
         arrays[f"new_blocks{g}_off"], arrays[f"new_blocks{g}"] = new_blocks[g].arrays(np.int64)
@@ -156,8 +162,9 @@ def save(path, steps, truth, config: SimConfig | dict, num_groups: int | None = 
         specs.append({"name": name, "dtype": a.dtype.str, "shape": list(a.shape), "offset": off})
         chunks.append(a.tobytes())
         off += a.nbytes
-    header = json.dumps({"steps": len(steps), "num_groups": ng, "config": cfg, "arrays": specs,
-                         "data_bytes": off}).encode()
+    header = json.dumps(
+        {"steps": len(steps), "num_groups": ng, "config": cfg, "arrays": specs, "data_bytes": off}
+    ).encode()
     body = _PREFIX.pack(MAGIC, VERSION, len(header)) + header + b"".join(chunks)
     with open(path, "wb") as f:
         f.write(body)

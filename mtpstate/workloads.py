@@ -18,7 +18,9 @@ def _ids(n, start=0):
     return [f"cmpl-{i:032x}-0" for i in range(start, start + n)]
 
 
-def steady_decode(n: int, steps: int = 8, num_spec: int = 2, seed: int = 0, fresh_ids: bool = False, block_fraction: float = 0.25):
+def steady_decode(
+    n: int, steps: int = 8, num_spec: int = 2, seed: int = 0, fresh_ids: bool = False, block_fraction: float = 0.25
+):
     """N running requests, every one scheduled each step; num_computed_tokens
     advances by accepted drafts + 1; a new block for about a quarter of them.
 

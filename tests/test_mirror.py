@@ -43,13 +43,17 @@ sim_knobs = st.fixed_dictionaries(
 
 
 @settings(max_examples=25)
-@given(knobs=sim_knobs, steps=st.integers(1, 40), on_device=st.booleans(), depth=st.integers(2, 4),
-       generic=st.booleans())
+@given(
+    knobs=sim_knobs, steps=st.integers(1, 40), on_device=st.booleans(), depth=st.integers(2, 4), generic=st.booleans()
+)
 def test_device_equals_host_after_every_step(knobs, steps, on_device, depth, generic):
     cfg = dict(max_num_reqs=knobs["max_num_reqs"], max_model_len=200, block_sizes=knobs["block_sizes"])
     sim = Simulator(**{**knobs, **cfg}, prompt_len=(1, 60), output_len=(1, 40))
-    t = RequestTable(**cfg, device="cpu",
-                     mirror_options={"ring_depth": depth, "token_ids_on_device": on_device, "staging_capacity": 8})
+    t = RequestTable(
+        **cfg,
+        device="cpu",
+        mirror_options={"ring_depth": depth, "token_ids_on_device": on_device, "staging_capacity": 8},
+    )
     rng = np.random.default_rng(knobs["seed"])
     for so in sim.run(steps):
         t.apply(genericize(so, rng) if generic else so)
@@ -124,8 +128,19 @@ cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GP
 @pytest.mark.parametrize("on_device", [True, False])
 def test_cuda_device_equals_host(on_device):
     cfg = dict(max_num_reqs=64, max_model_len=512, block_sizes=(16, 32))
-    sim = Simulator(**cfg, num_spec=3, accept=0.6, preempt_prob=0.2, abort_prob=0.1, abort_waiting_prob=0.1,
-                    prefix_hit_prob=0.2, remote_kv_prob=0.2, prompt_len=(1, 200), output_len=(1, 100), seed=9)
+    sim = Simulator(
+        **cfg,
+        num_spec=3,
+        accept=0.6,
+        preempt_prob=0.2,
+        abort_prob=0.1,
+        abort_waiting_prob=0.1,
+        prefix_hit_prob=0.2,
+        remote_kv_prob=0.2,
+        prompt_len=(1, 200),
+        output_len=(1, 100),
+        seed=9,
+    )
     t = RequestTable(**cfg, device="cuda", mirror_options={"token_ids_on_device": on_device})
     for so in sim.run(200):
         t.apply(so)

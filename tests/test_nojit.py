@@ -30,9 +30,20 @@ def test_table_differential_nojit():
 
     cfg = dict(max_num_reqs=12, max_model_len=256, block_sizes=(16, 32))
     for mode in ("new", "cached"):
-        sim = Simulator(**cfg, num_spec=2, accept=0.5, preempt_prob=0.3, abort_prob=0.2, abort_waiting_prob=0.2,
-                        prefix_hit_prob=0.3, remote_kv_prob=0.3, resume_mode=mode, prompt_len=(1, 80),
-                        output_len=(1, 30), seed=2)
+        sim = Simulator(
+            **cfg,
+            num_spec=2,
+            accept=0.5,
+            preempt_prob=0.3,
+            abort_prob=0.2,
+            abort_waiting_prob=0.2,
+            prefix_hit_prob=0.3,
+            remote_kv_prob=0.3,
+            resume_mode=mode,
+            prompt_len=(1, 80),
+            output_len=(1, 30),
+            seed=2,
+        )
         fast, loop = RequestTable(**cfg), LoopRequestTable(**cfg)
         for so in sim.run(25):
             fast.apply(so)

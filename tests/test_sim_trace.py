@@ -85,8 +85,9 @@ def test_simulator_reproducible_by_seed():
 
 
 def test_mtp_advances_by_accepted_plus_one():
-    sim = Simulator(SimConfig(num_spec=3, accept=0.5, arrivals_per_step=1, prompt_len=(4, 8), output_len=(50, 60),
-                              seed=1))
+    sim = Simulator(
+        SimConfig(num_spec=3, accept=0.5, arrivals_per_step=1, prompt_len=(4, 8), output_len=(50, 60), seed=1)
+    )
     prev = {}
     saw_rejection = False
     for so in sim.run(60):
@@ -137,8 +138,20 @@ def test_trace_rejects_bad_files(tmp_path):
 
 def test_replay_drift(tmp_path):
     path = tmp_path / "mtp.trace"
-    rec = record(SimConfig(num_spec=2, accept=0.5, max_num_reqs=16, prompt_len=(4, 64), output_len=(20, 80),
-                           preempt_prob=0.1, abort_prob=0.05, seed=3), 120, path)
+    rec = record(
+        SimConfig(
+            num_spec=2,
+            accept=0.5,
+            max_num_reqs=16,
+            prompt_len=(4, 64),
+            output_len=(20, 80),
+            preempt_prob=0.1,
+            abort_prob=0.05,
+            seed=3,
+        ),
+        120,
+        path,
+    )
     res = replay(load(path))
     assert res["steps"] == len(rec)
     assert res["impls"]["legacy"]["max_drift"] > 0
@@ -147,15 +160,34 @@ def test_replay_drift(tmp_path):
     assert res["agree"] is True
     # with every draft accepted the legacy engine does not drift
     path2 = tmp_path / "all.trace"
-    record(SimConfig(num_spec=2, accept=1.0, max_num_reqs=16, prompt_len=(4, 64), output_len=(20, 80), seed=3), 80,
-           path2)
+    record(
+        SimConfig(num_spec=2, accept=1.0, max_num_reqs=16, prompt_len=(4, 64), output_len=(20, 80), seed=3), 80, path2
+    )
     assert replay(load(path2), ("legacy",))["impls"]["legacy"]["max_drift"] == 0
 
 
 def test_cli_sim_replay_bench(tmp_path, capsys):
     trace = tmp_path / "cli.trace"
-    assert main(["sim", "--steps", "60", "--seed", "5", "--num-spec", "2", "--accept", "0.6", "--max-num-reqs", "8",
-                 "--out", str(trace)]) == 0
+    assert (
+        main(
+            [
+                "sim",
+                "--steps",
+                "60",
+                "--seed",
+                "5",
+                "--num-spec",
+                "2",
+                "--accept",
+                "0.6",
+                "--max-num-reqs",
+                "8",
+                "--out",
+                str(trace),
+            ]
+        )
+        == 0
+    )
     out_json = tmp_path / "r.json"
     plot = tmp_path / "r.png"
     assert main(["replay", str(trace), "--impl", "all", "--json", str(out_json), "--plot", str(plot)]) == 0
@@ -165,7 +197,9 @@ def test_cli_sim_replay_bench(tmp_path, capsys):
         assert isinstance(impl["max_drift"], int) and impl["us_per_step"] > 0
     assert plot.stat().st_size > 1000
     bench_json = tmp_path / "b.json"
-    assert main(["bench", "--quick", "--sizes", "1,16", "--json", str(bench_json), "--plot", str(tmp_path / "b.png")]) == 0
+    assert (
+        main(["bench", "--quick", "--sizes", "1,16", "--json", str(bench_json), "--plot", str(tmp_path / "b.png")]) == 0
+    )
     b = json.loads(bench_json.read_text())
     assert {"machine", "results"} <= set(b)
     r0 = b["results"][0]
@@ -191,14 +225,21 @@ def test_compare_with_vllm_shaped_objects():
             total_num_scheduled_tokens=so.total_num_scheduled_tokens,
             scheduled_spec_decode_tokens={k: tuple(v) for k, v in so.scheduled_spec_decode_tokens.items()},
             scheduled_new_reqs=[
-                NS(req_id=r.req_id, prompt_token_ids=tuple(r.prompt_token_ids), prefill_token_ids=r.prefill_token_ids,
-                   num_computed_tokens=r.num_computed_tokens, block_ids=list(r.block_ids),
-                   sampling_params=NS(max_tokens=r.sampling_params.max_tokens))
+                NS(
+                    req_id=r.req_id,
+                    prompt_token_ids=tuple(r.prompt_token_ids),
+                    prefill_token_ids=r.prefill_token_ids,
+                    num_computed_tokens=r.num_computed_tokens,
+                    block_ids=list(r.block_ids),
+                    sampling_params=NS(max_tokens=r.sampling_params.max_tokens),
+                )
                 for r in so.scheduled_new_reqs
             ],
             scheduled_cached_reqs=NS(**vars(so.scheduled_cached_reqs)),
         )
         assert step_differences(so, foreign) == []
         if so.scheduled_cached_reqs.req_ids:
-            foreign.scheduled_cached_reqs.num_computed_tokens = [n + 1 for n in so.scheduled_cached_reqs.num_computed_tokens]
+            foreign.scheduled_cached_reqs.num_computed_tokens = [
+                n + 1 for n in so.scheduled_cached_reqs.num_computed_tokens
+            ]
             assert step_differences(so, foreign) == ["scheduled_cached_reqs.num_computed_tokens"]

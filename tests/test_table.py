@@ -131,15 +131,19 @@ def _new(rid, n=4, nct=0, blocks=None, max_tokens=8, prefill=None):
 
 def _cached(ids, ncts, blocks=None, resumed=()):
     return CachedRequestData(
-        req_ids=list(ids), num_computed_tokens=list(ncts),
-        new_block_ids=list(blocks) if blocks is not None else [None] * len(ids), resumed_req_ids=set(resumed),
+        req_ids=list(ids),
+        num_computed_tokens=list(ncts),
+        new_block_ids=list(blocks) if blocks is not None else [None] * len(ids),
+        resumed_req_ids=set(resumed),
     )
 
 
 def _so(new=(), cached=None, fin=(), pre=None):
     return SchedulerOutput(
-        scheduled_new_reqs=list(new), scheduled_cached_reqs=cached or _cached([], []),
-        finished_req_ids=set(fin), preempted_req_ids=pre,
+        scheduled_new_reqs=list(new),
+        scheduled_cached_reqs=cached or _cached([], []),
+        finished_req_ids=set(fin),
+        preempted_req_ids=pre,
     )
 
 
@@ -153,7 +157,10 @@ def _fresh_table():
 BAD_STEPS = {
     "unknown cached id": (_so(cached=_cached(["a", "zz"], [5, 5])), UnknownRequestError),
     "cached id finished in this step": (_so(fin=["b"], cached=_cached(["a", "b"], [5, 5])), UnknownRequestError),
-    "unequal cached lists": (_so(cached=CachedRequestData(["a", "b"], set(), [], [None], [5, 5], [])), InvalidStepError),
+    "unequal cached lists": (
+        _so(cached=CachedRequestData(["a", "b"], set(), [], [None], [5, 5], [])),
+        InvalidStepError,
+    ),
     "negative num_computed_tokens": (_so(cached=_cached(["a"], [-1])), InvalidStepError),
     "num_computed_tokens above max_model_len": (_so(cached=_cached(["a"], [65])), InvalidStepError),
     "new nct above prefill_len": (_so(new=[_new("c", n=4, nct=5)]), InvalidStepError),
@@ -259,8 +266,11 @@ def test_rows_identical_across_hash_seeds():
     outs = set()
     for seed in ("0", "7", "4242"):
         r = subprocess.run(
-            [sys.executable, "-c", _ROWS_SCRIPT], env={"PYTHONHASHSEED": seed, "PATH": ""},
-            capture_output=True, text=True, check=True,
+            [sys.executable, "-c", _ROWS_SCRIPT],
+            env={"PYTHONHASHSEED": seed, "PATH": ""},
+            capture_output=True,
+            text=True,
+            check=True,
         )
         outs.add(r.stdout)
     assert len(outs) == 1
@@ -325,9 +335,21 @@ def test_long_differential_traces(mode):
     """Exhaustive: long, busy traces at a few hundred running requests."""
     cfg = dict(max_num_reqs=256, max_model_len=2048, block_sizes=(16, 64))
     for seed in range(3):
-        sim = Simulator(**cfg, num_spec=3, accept=0.6, arrivals_per_step=8, preempt_prob=0.3, abort_prob=0.2,
-                        abort_waiting_prob=0.2, prefix_hit_prob=0.3, remote_kv_prob=0.2, resume_mode=mode,
-                        prompt_len=(1, 600), output_len=(1, 300), seed=seed)
+        sim = Simulator(
+            **cfg,
+            num_spec=3,
+            accept=0.6,
+            arrivals_per_step=8,
+            preempt_prob=0.3,
+            abort_prob=0.2,
+            abort_waiting_prob=0.2,
+            prefix_hit_prob=0.3,
+            remote_kv_prob=0.2,
+            resume_mode=mode,
+            prompt_len=(1, 600),
+            output_len=(1, 300),
+            seed=seed,
+        )
         fast, loop = RequestTable(**cfg), LoopRequestTable(**cfg)
         for so in sim.run(1500):
             fast.apply(so)
