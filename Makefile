@@ -14,7 +14,7 @@ $(STAMP): pyproject.toml
 
 test: $(STAMP)
 	$(PY) -m pytest -q
-	NUMBA_DISABLE_JIT=1 $(PY) -m pytest -q -p no:randomly tests/test_nojit.py
+	NUMBA_DISABLE_JIT=1 $(PY) -m pytest -q tests/test_nojit.py
 	$(PY) -m pytest -q benchmarks --benchmark-disable
 
 test-slow: $(STAMP)

@@ -190,6 +190,23 @@ def bench_index(sizes, quick, progress):
     return results
 
 
+def fit_costs(results) -> list[dict]:
+    """Fixed cost per step (the median at N = 1) and per-request slope (a
+    least-squares line through the medians at N >= 64)."""
+    fits = []
+    keys = sorted({(r["workload"], r["impl"]) for r in results})
+    for wl, impl in keys:
+        rs = [r for r in results if r["workload"] == wl and r["impl"] == impl]
+        one = [r["median_us"] for r in rs if r["n"] == 1]
+        big = [(r["n"], r["median_us"]) for r in rs if r["n"] >= 64]
+        if not one or len(big) < 2:
+            continue
+        n, t = np.array(big, dtype=float).T
+        slope, _ = np.polyfit(n, t, 1)
+        fits.append({"workload": wl, "impl": impl, "fixed_us": one[0], "slope_ns": slope * 1e3})
+    return fits
+
+
 def format_table(machine, results, warmup_s) -> str:
     lines = [
         "mtpstate bench: " + ", ".join(f"{k}={v}" for k, v in machine.items()),
@@ -236,41 +253,56 @@ def run(quick=False, sizes=None, json_path=None, plot_path=None, what=("table", 
         results += bench_index([n for n in sizes], quick, progress)
     print("\r" + " " * 80 + "\r", end="", file=sys.stderr)
     machine = machine_info()
+    fits = fit_costs(results)
     out(format_table(machine, results, warmup_s))
+    if fits:
+        out("\nper-step fixed cost (median at N = 1) and per-request slope (least squares, N >= 64):")
+        for f in fits:
+            out(f"  {f['workload']:<26}{f['impl']:<12} fixed {f['fixed_us']:7.2f} us   slope {f['slope_ns']:7.1f} ns/req")
     if json_path:
         with open(json_path, "w") as f:
-            json.dump({"machine": machine, "warmup_s": warmup_s, "results": results}, f, indent=1)
+            json.dump({"machine": machine, "warmup_s": warmup_s, "results": results, "fits": fits}, f, indent=1)
     if plot_path:
         plot(results, plot_path)
     return results
 
 
 def plot(results, path):
+    """Speedup over the baseline vs N (log x) and time per step vs N
+    (log-log): one color per workload, one line style per implementation."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.5))
-    keys = sorted({(r["workload"], r["impl"]) for r in results})
-    for wl, impl in keys:
-        rs = sorted((r for r in results if r["workload"] == wl and r["impl"] == impl), key=lambda r: r["n"])
-        ns = [r["n"] for r in rs]
-        if impl not in ("loop", "dict"):
-            ax1.plot(ns, [r["speedup"] for r in rs], marker="o", label=f"{wl}: {impl}")
-        ax2.plot(ns, [r["median_us"] for r in rs], marker="o", label=f"{wl}: {impl}")
+    workloads = sorted({r["workload"] for r in results})
+    colors = dict(zip(workloads, plt.get_cmap("tab10").colors))
+    styles = {"vectorized": "-", "mirror": "--", "index": "-", "loop": ":", "loop-mirror": "-.", "dict": ":"}
+    markers = {"vectorized": "o", "mirror": "s", "index": "^", "loop": "x", "loop-mirror": "+", "dict": "x"}
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(13, 5))
+    for wl in workloads:
+        for impl in styles:
+            rs = sorted((r for r in results if r["workload"] == wl and r["impl"] == impl), key=lambda r: r["n"])
+            if not rs:
+                continue
+            ns = [r["n"] for r in rs]
+            kw = dict(color=colors[wl], ls=styles[impl], marker=markers[impl], ms=4)
+            if impl not in ("loop", "dict", "loop-mirror"):
+                ax1.plot(ns, [r["speedup"] for r in rs], label=f"{wl}: {impl} vs {rs[0]['baseline']}", **kw)
+            ax2.plot(ns, [r["median_us"] for r in rs], label=f"{wl}: {impl}", **kw)
     ax1.set_xscale("log")
     ax1.axhline(1, color="grey", lw=0.8)
-    ax1.set_xlabel("N requests")
-    ax1.set_ylabel("speedup over loop / dict (x)")
-    ax1.set_title("speedup (median)")
+    ax1.axhline(20, color="grey", lw=0.8, ls=":")
+    ax1.set_xlabel("N running requests")
+    ax1.set_ylabel("speedup (median time ratio, x)")
+    ax1.set_title("speedup over the per-request loop (or dict)")
     ax2.set_xscale("log")
     ax2.set_yscale("log")
-    ax2.set_xlabel("N requests")
+    ax2.set_xlabel("N running requests")
     ax2.set_ylabel("median us per step")
     ax2.set_title("time per step")
     for ax in (ax1, ax2):
         ax.grid(True, which="both", alpha=0.3)
-        ax.legend(fontsize=7)
+        ax.legend(fontsize=6.5, ncol=1)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
