@@ -20,12 +20,14 @@ from mtpstate._native import (
     OFF_ITEMS,
     OFF_SIZE,
     OFF_TYPE,
+    STR_STATE_OFFSET,
     bytes_data,
     fmix,
     int_value,
     jit,
     load_i64,
     load_u8,
+    load_u32,
     load_u64,
     mix,
     str_utf8,
@@ -93,6 +95,7 @@ IX_T_INT = 19
 IX_NONE = 20
 IX_TRUE = 21
 IX_FALSE = 22
+IX_ASCII_OFF = 23  # data offset of compact ASCII str objects, 0 = read them through the C API
 IX_SIZE = 24
 
 
@@ -115,6 +118,7 @@ def _pytypes(ctx):
         ctx[IX_NONE],
         ctx[IX_TRUE],
         ctx[IX_FALSE],
+        ctx[IX_ASCII_OFF],
     )
 
 
@@ -123,6 +127,9 @@ def _key_of(obj, allow_bytes, tp):
     """(UTF-8 address, length, status) of a request id object."""
     t = load_i64(obj + OFF_TYPE)
     if t == tp[2]:
+        if tp[8] != 0 and (load_u32(obj + STR_STATE_OFFSET) & np.uint64(0x60)) == np.uint64(0x60):
+            # compact ASCII: the bytes follow the header, no call needed
+            return obj + tp[8], load_i64(obj + OFF_SIZE), OK
         ptr, n = str_utf8(obj)
         if ptr == 0:
             return 0, 0, E_NOT_CANONICAL

@@ -528,3 +528,35 @@ def _ov_incref(obj):
 @overload(decref, inline="always")
 def _ov_decref(obj):
     return lambda obj: _decref(obj)
+
+
+# ----------------------------------------------------------------------------
+# compact ASCII str: its bytes follow the object header, so a kernel can read
+# them without a C call. Layout checked here, on this interpreter; 0 = off.
+
+
+def _probe_ascii_offset() -> int:
+    if hasattr(sys, "_is_gil_enabled"):  # free-threaded builds: other header
+        try:
+            if not sys._is_gil_enabled():
+                return 0
+        except Exception:  # pragma: no cover
+            return 0
+    off = sys.getsizeof("") - 1  # sizeof(PyASCIIObject)
+    try:
+        for s in ("cmpl-0123456789abcdef-0", "".join(["x", "y" * 70]), "a"):
+            st = ctypes.c_uint32.from_address(id(s) + 32).value
+            if st & 0x60 != 0x60 or ctypes.c_int64.from_address(id(s) + OFF_SIZE).value != len(s):
+                return 0
+            if ctypes.string_at(id(s) + off, len(s)) != s.encode():
+                return 0
+        for s in ("é", "日本語", "\ud800x"):
+            if ctypes.c_uint32.from_address(id(s) + 32).value & 0x40:
+                return 0
+    except Exception:  # pragma: no cover
+        return 0
+    return off
+
+
+ASCII_DATA_OFFSET = _probe_ascii_offset()
+STR_STATE_OFFSET = 32

@@ -184,6 +184,21 @@ def _write_group(seq, tp, a_bt, w, row, start, staging, a_stg_pos, a_stg_val, ns
     return ns
 
 
+@jit(inline="always")
+def _prediction_buffers(tb, R, cur):
+    """Addresses of the current and the next prediction buffers: objects,
+    rows, row -> position."""
+    nxt = 1 - cur
+    return (
+        tb[TB_PREV_OBJ] + 8 * R * cur,
+        tb[TB_PREV_ROW] + 4 * R * cur,
+        tb[TB_ROW_PREV_POS] + 4 * R * cur,
+        tb[TB_PREV_OBJ] + 8 * R * nxt,
+        tb[TB_PREV_ROW] + 4 * R * nxt,
+        tb[TB_ROW_PREV_POS] + 4 * R * nxt,
+    )
+
+
 @jit
 def _commit_prediction(tb, a_scr, R, stamp, nc, hits, nmiss, a_prev_obj, prev_n, a_prev_obj_next):
     """Make the next prediction buffer current, with references.
@@ -286,12 +301,7 @@ def tb_step(ixc, tbc, fin, nid, nplen, npre, nblk, nnct, nmax, cid, cnct, cblk, 
     flat_tok = tb[TB_FLAT_TOK]
     a_state = tb[TB_STATE]
     a_scr = tb[TB_SCR]
-    a_prev_obj = tb[TB_PREV_OBJ] + 8 * R * cur
-    a_prev_row = tb[TB_PREV_ROW] + 4 * R * cur
-    a_rpp = tb[TB_ROW_PREV_POS] + 4 * R * cur
-    a_prev_obj_next = tb[TB_PREV_OBJ] + 8 * R * (1 - cur)
-    a_prev_row_next = tb[TB_PREV_ROW] + 4 * R * (1 - cur)
-    a_rpp_next = tb[TB_ROW_PREV_POS] + 4 * R * (1 - cur)
+    a_prev_obj, a_prev_row, a_rpp, a_prev_obj_next, a_prev_row_next, a_rpp_next = _prediction_buffers(tb, R, cur)
     a_stg_pos = tb[TB_STG_POS]
     a_stg_val = tb[TB_STG_VAL]
     stamp = tb[TB_STAMP] + 1
@@ -706,12 +716,7 @@ def tb_update(ixc, tbc, cid, cnct, cblk, cres):
     a_scr = tb[TB_SCR]
     cur = tb[TB_PREV_CUR]
     prev_n = tb[TB_PREV_N]
-    a_prev_obj = tb[TB_PREV_OBJ] + 8 * R * cur
-    a_prev_row = tb[TB_PREV_ROW] + 4 * R * cur
-    a_rpp = tb[TB_ROW_PREV_POS] + 4 * R * cur
-    a_prev_obj_next = tb[TB_PREV_OBJ] + 8 * R * (1 - cur)
-    a_prev_row_next = tb[TB_PREV_ROW] + 4 * R * (1 - cur)
-    a_rpp_next = tb[TB_ROW_PREV_POS] + 4 * R * (1 - cur)
+    a_prev_obj, a_prev_row, a_rpp, a_prev_obj_next, a_prev_row_next, a_rpp_next = _prediction_buffers(tb, R, cur)
     staging = tb[TB_STG_ON] != 0
     stg_cap = tb[TB_STG_CAP]
     a_stg_pos = tb[TB_STG_POS]

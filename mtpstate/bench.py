@@ -258,7 +258,8 @@ def run(quick=False, sizes=None, json_path=None, plot_path=None, what=("table", 
     if fits:
         out("\nper-step fixed cost (median at N = 1) and per-request slope (least squares, N >= 64):")
         for f in fits:
-            out(f"  {f['workload']:<26}{f['impl']:<12} fixed {f['fixed_us']:7.2f} us   slope {f['slope_ns']:7.1f} ns/req")
+            fixed, slope = f["fixed_us"], f["slope_ns"]
+            out(f"  {f['workload']:<26}{f['impl']:<12} fixed {fixed:7.2f} us   slope {slope:7.1f} ns/req")
     if json_path:
         with open(json_path, "w") as f:
             json.dump({"machine": machine, "warmup_s": warmup_s, "results": results, "fits": fits}, f, indent=1)

@@ -17,7 +17,7 @@ from collections.abc import Iterable
 import numpy as np
 
 from mtpstate import _kernels as K
-from mtpstate._native import PY_ADDRESSES
+from mtpstate._native import ASCII_DATA_OFFSET, PY_ADDRESSES
 from mtpstate.errors import (
     CapacityError,
     DuplicateRequestError,
@@ -111,6 +111,7 @@ class RequestIndex:
         c[K.IX_SEED] = seed & _HASH_BITS_ALL
         c[K.IX_HMASK] = (1 << _hash_bits) - 1
         c[K.IX_T_LIST : K.IX_FALSE + 1] = PY_ADDRESSES
+        c[K.IX_ASCII_OFF] = ASCII_DATA_OFFSET
         self._ctx_addr = int(c.ctypes.data)
 
     # -- internals -------------------------------------------------------
@@ -129,35 +130,24 @@ class RequestIndex:
         self._ctx[K.IX_KW] = new_kw
 
     def _run(self, kernel, ids, *args):
-        """Launch ``kernel`` on ``ids``; on a type it does not take, retry on
-        the canonical form (the generic path)."""
+        """Launch ``kernel`` on ``ids``; on a type it does not take, retry once
+        on the canonical form (the generic path)."""
         canonical = False
-        while True:
-            status = kernel(self._ctx_addr, id(ids), *args)
-            if status == K.OK:
-                return ids
-            if status == K.E_KEY_TOO_LONG:
-                self._widen_keys(int(self._ctx[K.IX_ERR_ARG]))
-                continue
-            if status == K.E_NOT_CANONICAL and not canonical:
-                ids = canonical_ids(ids)
-                canonical = True
-                self._ctx[K.IX_ALLOW_BYTES] = 1
-                try:
-                    return self._run_canonical(kernel, ids, *args)
-                finally:
-                    self._ctx[K.IX_ALLOW_BYTES] = 0
-            self._raise(status, ids)
-
-    def _run_canonical(self, kernel, ids, *args):
-        while True:
-            status = kernel(self._ctx_addr, id(ids), *args)
-            if status == K.OK:
-                return ids
-            if status == K.E_KEY_TOO_LONG:
-                self._widen_keys(int(self._ctx[K.IX_ERR_ARG]))
-                continue
-            self._raise(status, ids)
+        try:
+            while True:
+                status = kernel(self._ctx_addr, id(ids), *args)
+                if status == K.OK:
+                    return ids
+                if status == K.E_KEY_TOO_LONG:
+                    self._widen_keys(int(self._ctx[K.IX_ERR_ARG]))
+                elif status == K.E_NOT_CANONICAL and not canonical:
+                    ids = canonical_ids(ids)
+                    canonical = True
+                    self._ctx[K.IX_ALLOW_BYTES] = 1
+                else:
+                    self._raise(status, ids)
+        finally:
+            self._ctx[K.IX_ALLOW_BYTES] = 0
 
     def _raise(self, status: int, ids) -> None:
         pos = int(self._ctx[K.IX_ERR_POS])
