@@ -140,10 +140,10 @@ def bench_table(sizes, quick, progress, mirror=True):
                 setup, timed = mixed(n, steps=4 if quick else 8)
                 ids = None
             else:
-                setup, timed = steady_decode(n, steps=4 if quick else 8)
+                setup, timed = steady_decode(n, steps=4 if quick else 16)
                 ids = None if workload.endswith("fresh-ids") else timed[0].scheduled_cached_reqs.req_ids
             blobs = [pickle.dumps(so) for so in timed]
-            repeats = max(2 if quick else 3, (300 if quick else 3000) // max(n, 1))
+            repeats = max(2 if quick else 4, (300 if quick else 3000) // max(n, 1))
             if workload == "mixed":
                 repeats = 1 if quick else 3
             host = {"loop": LoopRequestTable, "vectorized": RequestTable}

@@ -215,9 +215,12 @@ class RequestIndex:
     def lookup(self, req_ids) -> np.ndarray:
         """Rows of live ids; :class:`~mtpstate.UnknownRequestError` names the
         first id that is not live."""
-        req_ids = self._as_list(req_ids)
+        if type(req_ids) is not list and type(req_ids) is not tuple:
+            req_ids = self._as_list(req_ids)
         out = np.empty(len(req_ids), np.int32)
-        self._run(K.ix_find, req_ids, out, True)
+        # the common case first: one kernel call, no retry machinery
+        if K.ix_find(self._ctx_addr, id(req_ids), out, True) != K.OK:
+            self._run(K.ix_find, req_ids, out, True)
         return out
 
     def find(self, req_ids) -> np.ndarray:
