@@ -256,3 +256,10 @@ class RequestIndex:
 
     def __repr__(self) -> str:
         return f"RequestIndex(capacity={self._capacity}, live={len(self)})"
+
+    def __copy__(self):
+        # the kernels address the arrays by pointer: a copy would write into
+        # the original's memory
+        raise TypeError("RequestIndex cannot be copied or pickled; build a new one and insert the ids")
+
+    __deepcopy__ = __reduce_ex__ = lambda self, *a: self.__copy__()  # noqa: E731

@@ -444,6 +444,13 @@ class RequestTable:
     def __contains__(self, req_id) -> bool:
         return req_id in self._index
 
+    def __copy__(self):
+        # the kernels address the arrays by pointer: a copy would write into
+        # the original's memory
+        raise TypeError("RequestTable cannot be copied or pickled; build a new one and replay the steps")
+
+    __deepcopy__ = __reduce_ex__ = lambda self, *a: self.__copy__()  # noqa: E731
+
     def __del__(self):
         # the kernels hold a reference to each id object of the current
         # prediction buffer (see _table_kernels); give them back

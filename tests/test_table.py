@@ -375,3 +375,14 @@ except mtpstate.StateError as e:
 """
     r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True)
     assert "refused: the device mirror needs torch" in r.stdout
+
+
+def test_tables_refuse_copies():
+    import copy
+
+    from mtpstate import RequestIndex
+
+    for obj in (RequestTable(max_num_reqs=2, max_model_len=8), RequestIndex(2)):
+        for f in (copy.copy, copy.deepcopy, pickle.dumps):
+            with pytest.raises(TypeError, match="cannot be copied"):
+                f(obj)
