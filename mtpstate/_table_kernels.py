@@ -677,6 +677,17 @@ def _undo_update(a_state, a_scr, a_prev_row_next, R, count):
         st32(a_state, F_NCPT * R + r, min(old, ld32(a_state, F_PREFILL * R + r)))
 
 
+@jit
+def _materialize(a_obj, a_row, a_obj_next, a_row_next, a_rpp_next, n):
+    """Copy the first n positions of the current prediction into the next."""
+    for p in range(n):
+        st64(a_obj_next, p, ld64(a_obj, p))
+        r = ld32(a_row, p)
+        st32(a_row_next, p, r)
+        if r >= 0:  # (always: only identity hits, which have rows, are copied)
+            st32(a_rpp_next, r, p)
+
+
 @jit(inline="always")
 def _seen_in_this_update(a_rpp_next, a_prev_row_next, row, i):
     # positions < i of the next prediction buffer are this update's; a row
@@ -750,27 +761,46 @@ def tb_update(ixc, tbc, cid, cnct, cblk, cres):
     ns = 0
     nstage_blocks = 0
     nblk = 0  # requests with new blocks, listed in the O_ROWS scratch row
+    # "in sync": every position so far held the very object at the same
+    # position of the previous update. While in sync, the next prediction
+    # would equal the current one, so it is not written at all, and no row
+    # can repeat (the current buffer has distinct rows). The first deviation
+    # copies the positions so far into the next buffer and leaves sync.
+    sync = True
     for i in range(nc):
         obj = _item(i_cid, i)
-        row = ld32(a_prev_row, j) if j < prev_n and ld64(a_prev_obj, j) == obj else -1
+        row = -1
+        if sync:
+            if i < prev_n and ld64(a_prev_obj, i) == obj:
+                row = ld32(a_prev_row, i)
+            if row >= 0:
+                hits += 1
+                j = i + 1
+            else:
+                _materialize(a_prev_obj, a_prev_row, a_prev_obj_next, a_prev_row_next, a_rpp_next, i)
+                sync = False
         st = OK
-        if row >= 0:
-            # (the reference the table holds moves to the next buffer)
-            hits += 1
-            j += 1
-        else:
-            st32(a_scr, O_MISS + nmiss, i)
-            nmiss += 1
-            row, j, st, h, ptr, klen = _predict_miss(
-                obj, j, prev_n, a_prev_row, a_rpp, slots, mask, keys, kw, seed, hmask, allow, tp
-            )
+        dup = False
+        if not sync:
+            row = ld32(a_prev_row, j) if j < prev_n and ld64(a_prev_obj, j) == obj else -1
+            if row >= 0:
+                # (the reference the table holds moves to the next buffer)
+                hits += 1
+                j += 1
+            else:
+                st32(a_scr, O_MISS + nmiss, i)
+                nmiss += 1
+                row, j, st, h, ptr, klen = _predict_miss(
+                    obj, j, prev_n, a_prev_row, a_rpp, slots, mask, keys, kw, seed, hmask, allow, tp
+                )
+            dup = row >= 0 and _seen_in_this_update(a_rpp_next, a_prev_row_next, row, i)
         code = OK
         arg = 0
         if st != OK:
             code = st
         elif row < 0:
             code = E_UNKNOWN
-        elif _seen_in_this_update(a_rpp_next, a_prev_row_next, row, i):
+        elif dup:
             code = E_DUPLICATE
         else:
             v, st = _int_of(_item(i_cnct, i), tp)
@@ -814,22 +844,27 @@ def tb_update(ixc, tbc, cid, cnct, cblk, cres):
                             st32(a_scr, O_ROWS + nblk, i)
                             nblk += 1
         if code != OK:
-            _undo_update(a_state, a_scr, a_prev_row_next, R, i)
+            _undo_update(a_state, a_scr, a_prev_row if sync else a_prev_row_next, R, i)
             return _err(tb, code, i, arg, PH_CACHED)
         st32(a_scr, O_NCT + i, ld32(a_state, F_NCT * R + row))  # undo log
         ns = _put(a_state, F_NCT * R + row, v, staging, a_stg_pos, a_stg_val, ns)
         m = min(v, ld32(a_state, F_PREFILL * R + row))
         ns = _put(a_state, F_NCPT * R + row, m, staging, a_stg_pos, a_stg_val, ns)
-        st64(a_prev_obj_next, i, obj)
-        st32(a_prev_row_next, i, row)
-        st32(a_rpp_next, row, i)
+        if not sync:
+            st64(a_prev_obj_next, i, obj)
+            st32(a_prev_row_next, i, row)
+            st32(a_rpp_next, row, i)
     if staging and ns + nstage_blocks > stg_cap:
-        _undo_update(a_state, a_scr, a_prev_row_next, R, nc)
+        _undo_update(a_state, a_scr, a_prev_row if sync else a_prev_row_next, R, nc)
         return _err(tb, E_STAGE_FULL, -1, ns + nstage_blocks, 0)
+    unchanged = sync and nc == prev_n  # the same objects in the same order: keep the prediction
+    if sync and not unchanged:
+        _materialize(a_prev_obj, a_prev_row, a_prev_obj_next, a_prev_row_next, a_rpp_next, nc)
+    a_rows = a_prev_row if unchanged else a_prev_row_next
     # accepted: block appends, then the prediction buffer becomes current
     for k in range(nblk):
         i = ld32(a_scr, O_ROWS + k)
-        r = ld32(a_prev_row_next, i)
+        r = ld32(a_rows, i)
         resumed = cres != 0 and _item(i_cres, i) == true_
         b_items, b_n, ok = _seq(_item(i_cblk, i), tp)
         for g in range(ng):
@@ -844,6 +879,7 @@ def tb_update(ixc, tbc, cid, cnct, cblk, cres):
                 st64(a_stg_pos, ns, nbpos)
                 st32(a_stg_val, ns, start + c)
                 ns += 1
-    _commit_prediction(tb, a_scr, R, stamp, nc, hits, nmiss, a_prev_obj, prev_n, a_prev_obj_next)
+    if not unchanged:
+        _commit_prediction(tb, a_scr, R, stamp, nc, hits, nmiss, a_prev_obj, prev_n, a_prev_obj_next)
     tb[TB_STG_N] = ns
     return OK
