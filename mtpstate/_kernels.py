@@ -242,6 +242,12 @@ def _key_matches_row(keys, kw, r, ptr, n):
     return True
 
 
+@jit(inline="always")
+def _ix_params(ctx):
+    """(mask, key_words, seed, hash mask, allow_bytes) of an index context."""
+    return ctx[IX_MASK], ctx[IX_KW], ctx[IX_SEED], ctx[IX_HMASK], ctx[IX_ALLOW_BYTES]
+
+
 @jit
 def _probe(slots, mask, keys, kw, h, ptr, n):
     """Row of the key, or -1. Rows are told apart by comparing the keys
@@ -324,11 +330,7 @@ def ix_find(ctx_addr, ids, out, strict):
     """Rows of ``ids`` into ``out``; -1 for unknown (or E_UNKNOWN if strict)."""
     ctx = view_i64(ctx_addr, IX_SIZE)
     slots, row_hash, keys, key_len = _ix_arrays(ctx)
-    mask = ctx[IX_MASK]
-    kw = ctx[IX_KW]
-    seed = ctx[IX_SEED]
-    hmask = ctx[IX_HMASK]
-    allow = ctx[IX_ALLOW_BYTES]
+    mask, kw, seed, hmask, allow = _ix_params(ctx)
     tp = _pytypes(ctx)
     items, n, ok = _seq(ids, tp)
     if not ok:
@@ -352,12 +354,8 @@ def ix_insert(ctx_addr, ids, out):
     """Insert ``ids`` at the lowest free rows, in order; rows into ``out``."""
     ctx = view_i64(ctx_addr, IX_SIZE)
     slots, row_hash, keys, key_len = _ix_arrays(ctx)
-    mask = ctx[IX_MASK]
-    kw = ctx[IX_KW]
+    mask, kw, seed, hmask, allow = _ix_params(ctx)
     cap = ctx[IX_CAP]
-    seed = ctx[IX_SEED]
-    hmask = ctx[IX_HMASK]
-    allow = ctx[IX_ALLOW_BYTES]
     tp = _pytypes(ctx)
     items, n, ok = _seq(ids, tp)
     if not ok:

@@ -29,13 +29,8 @@ from mtpstate._kernels import (
     E_TOO_LONG,
     E_UNKNOWN,
     INT32_MAX,
-    IX_ALLOW_BYTES,
     IX_FREE_HINT,
-    IX_HMASK,
-    IX_KW,
-    IX_MASK,
     IX_NUM_LIVE,
-    IX_SEED,
     IX_SIZE,
     OK,
     PH_CACHED,
@@ -46,6 +41,7 @@ from mtpstate._kernels import (
     _item,
     _ix_arrays,
     _ix_free_row,
+    _ix_params,
     _key_matches_row,
     _key_of,
     _probe,
@@ -278,14 +274,8 @@ def tb_step(ixc, tbc, fin, nid, nplen, npre, nblk, nnct, nmax, cid, cnct, cblk, 
     tb = view_i64(tbc, TB_SIZE)
     tp = _pytypes(ix)
     slots, row_hash, keys, key_len = _ix_arrays(ix)
-    mask = ix[IX_MASK]
-    kw = ix[IX_KW]
-    seed = ix[IX_SEED]
-    hmask = ix[IX_HMASK]
-    allow = ix[IX_ALLOW_BYTES]
-    R = tb[TB_R]
-    ng = tb[TB_NG]
-    L = tb[TB_L]
+    mask, kw, seed, hmask, allow = _ix_params(ix)
+    R, ng, L = tb[TB_R], tb[TB_NG], tb[TB_L]
     state = view_i32(tb[TB_STATE], (F_NB + ng) * R)
     bt_addr = view_i64(tb[TB_BT_ADDR], ng)
     bt_w = view_i64(tb[TB_BT_W], ng)
@@ -712,14 +702,8 @@ def tb_update(ixc, tbc, cid, cnct, cblk, cres):
     tb = view_i64(tbc, TB_SIZE)
     tp = _pytypes(ix)
     slots, row_hash, keys, key_len = _ix_arrays(ix)
-    mask = ix[IX_MASK]
-    kw = ix[IX_KW]
-    seed = ix[IX_SEED]
-    hmask = ix[IX_HMASK]
-    allow = ix[IX_ALLOW_BYTES]
-    R = tb[TB_R]
-    ng = tb[TB_NG]
-    L = tb[TB_L]
+    mask, kw, seed, hmask, allow = _ix_params(ix)
+    R, ng, L = tb[TB_R], tb[TB_NG], tb[TB_L]
     bt_addr = view_i64(tb[TB_BT_ADDR], ng)
     bt_w = view_i64(tb[TB_BT_W], ng)
     flat_bt = view_i64(tb[TB_FLAT_BT], ng)

@@ -3,6 +3,20 @@
 import copy
 
 import numpy as np
+from hypothesis import strategies as st
+
+# the simulator's knobs that shape a trace (each test adds its sizes)
+SIM_KNOBS = {
+    "num_spec": st.integers(0, 4),
+    "accept": st.floats(0, 1),
+    "preempt_prob": st.floats(0, 0.4),
+    "abort_prob": st.floats(0, 0.3),
+    "abort_waiting_prob": st.floats(0, 0.3),
+    "prefix_hit_prob": st.floats(0, 0.5),
+    "remote_kv_prob": st.floats(0, 0.5),
+    "resume_mode": st.sampled_from(["new", "cached"]),
+    "seed": st.integers(0, 2**32),
+}
 
 FIELDS = ["num_computed_tokens", "num_computed_prefill_tokens", "prefill_len", "prompt_len", "max_seq_len"]
 

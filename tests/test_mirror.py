@@ -3,7 +3,7 @@ transfer volume of a steady decode step; CUDA-only checks (marked ``cuda``)."""
 
 import numpy as np
 import pytest
-from helpers import genericize
+from helpers import SIM_KNOBS, genericize
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -26,19 +26,7 @@ def assert_mirrored(t):
 
 
 sim_knobs = st.fixed_dictionaries(
-    {
-        "max_num_reqs": st.integers(1, 16),
-        "block_sizes": st.sampled_from([(16,), (4, 32)]),
-        "num_spec": st.integers(0, 3),
-        "accept": st.floats(0, 1),
-        "preempt_prob": st.floats(0, 0.4),
-        "abort_prob": st.floats(0, 0.3),
-        "abort_waiting_prob": st.floats(0, 0.3),
-        "prefix_hit_prob": st.floats(0, 0.5),
-        "remote_kv_prob": st.floats(0, 0.5),
-        "resume_mode": st.sampled_from(["new", "cached"]),
-        "seed": st.integers(0, 2**32),
-    }
+    {"max_num_reqs": st.integers(1, 16), "block_sizes": st.sampled_from([(16,), (4, 32)]), **SIM_KNOBS}
 )
 
 

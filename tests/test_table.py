@@ -7,7 +7,7 @@ import sys
 
 import numpy as np
 import pytest
-from helpers import assert_same_snapshot, assert_tables_agree, genericize, table_snapshot
+from helpers import SIM_KNOBS, assert_same_snapshot, assert_tables_agree, genericize, table_snapshot
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -29,15 +29,7 @@ sim_configs = st.fixed_dictionaries(
         "max_num_batched_tokens": st.sampled_from([8, 64, 512]),
         "block_sizes": st.sampled_from([(16,), (4, 32), (16, 16, 64)]),
         "arrivals_per_step": st.floats(0.2, 4),
-        "num_spec": st.integers(0, 4),
-        "accept": st.floats(0, 1),
-        "preempt_prob": st.floats(0, 0.4),
-        "abort_prob": st.floats(0, 0.3),
-        "abort_waiting_prob": st.floats(0, 0.3),
-        "prefix_hit_prob": st.floats(0, 0.5),
-        "remote_kv_prob": st.floats(0, 0.5),
-        "resume_mode": st.sampled_from(["new", "cached"]),
-        "seed": st.integers(0, 2**32),
+        **SIM_KNOBS,
     }
 )
 
