@@ -58,6 +58,7 @@ E_TOKEN_VALUE = 15
 E_MAX_TOKENS = 16
 E_LENGTHS = 17
 E_ROW_RANGE = 18
+E_FALLBACK = 19  # not an error: this step needs the general kernel
 
 # phases, reported in the error context
 PH_FINISH = 0

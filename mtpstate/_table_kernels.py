@@ -17,6 +17,7 @@ from mtpstate._kernels import (
     E_BLOCK_VALUE,
     E_CAPACITY,
     E_DUPLICATE,
+    E_FALLBACK,
     E_GROUPS,
     E_KEY_TOO_LONG,
     E_LENGTHS,
@@ -92,6 +93,7 @@ TB_VALIDATE_ONLY = 23  # 1: stop after pass 1 (dry run: validation only)
 TB_PREV_CUR = 24  # which prediction buffer is current
 TB_PREV_OWNED = 25  # 1: the table holds a reference to each object of the current buffer
 TB_STG_DUPS = 26  # 1: this step staged some element twice (a row added and updated by it)
+TB_EXCLUDE_STAMP = 27  # tb_update: rows marked freed with this stamp must not be updated (0: none)
 TB_SIZE = 32
 
 # scratch rows
@@ -688,8 +690,10 @@ def _seen_in_this_update(a_rpp_next, a_prev_row_next, row, i):
 
 @jit
 def tb_update(ixc, tbc, cid, cnct, cblk, cres):
-    """An update-only step (no finished, preempted or new requests): the
-    steady state of decoding, in a single pass over the requests.
+    """The running requests' update in a single pass: an update-only step
+    (the steady state of decoding), or the update part of a step whose
+    finish and add touch none of its rows (``TB_EXCLUDE_STAMP``, see
+    ``RequestTable._apply_split``).
 
     Each request is validated and written in the same pass; its previous
     ``num_computed_tokens`` goes to an undo log, so a request rejected at
@@ -716,6 +720,7 @@ def tb_update(ixc, tbc, cid, cnct, cblk, cres):
     stg_cap = tb[TB_STG_CAP]
     a_stg_pos = tb[TB_STG_POS]
     a_stg_val = tb[TB_STG_VAL]
+    excl = tb[TB_EXCLUDE_STAMP]
     stamp = tb[TB_STAMP] + 1
     tb[TB_STAMP] = stamp
     O_NCT = S_NCT * R
@@ -786,6 +791,8 @@ def tb_update(ixc, tbc, cid, cnct, cblk, cres):
             code = E_UNKNOWN
         elif dup:
             code = E_DUPLICATE
+        elif excl != 0 and ld32(a_scr, S_FREE * R + row) == excl:
+            code = E_FALLBACK  # finished or re-sent by this step
         else:
             v, st = _int_of(_item(i_cnct, i), tp)
             if st != OK:

@@ -393,7 +393,51 @@ class RequestTable:
             fin = list(fin) if type(fin) is not list else fin
         else:
             fin = None
-        self._step(fin, so.scheduled_new_reqs, so.scheduled_cached_reqs)
+        new_reqs = so.scheduled_new_reqs
+        cached = so.scheduled_cached_reqs
+        if self._mirror is None and cached is not None and cached.req_ids:
+            if not getattr(cached, "resumed_req_ids", None) and self._apply_split(fin, new_reqs, cached):
+                return
+        self._step(fin, new_reqs, cached)
+
+    def _apply_split(self, fin, new_reqs, cached) -> bool:
+        """A step with finished/new requests, applied as: validate finish + add;
+        update the running requests with the single-pass kernel (refusing any
+        row this step frees); then finish + add. Equivalent to finish, add,
+        update whenever no running request is finished, re-sent or added by
+        the step; otherwise (and on any error) nothing has changed and the
+        general kernel takes the step. Returns whether the step was applied."""
+        nid = nplen = npre = nblk = nnct = nmax = None
+        if new_reqs:
+            nid, nplen, npre, nblk, nnct, nmax = self._gather_new(new_reqs)
+        addrs = [id(a) if a is not None else 0 for a in (fin, nid, nplen, npre, nblk, nnct, nmax)]
+        ctx = self._ctx
+        ctx[T.TB_VALIDATE_ONLY] = 1
+        try:
+            status = T.tb_step(self._ix_addr, self._tb_addr, *addrs, 0, 0, 0, 0)
+        finally:
+            ctx[T.TB_VALIDATE_ONLY] = 0
+        if status != K.OK:
+            return False
+        ctx[T.TB_EXCLUDE_STAMP] = ctx[T.TB_STAMP]  # the rows that validation marked freed
+        try:
+            status = T.tb_update(
+                self._ix_addr,
+                self._tb_addr,
+                id(cached.req_ids),
+                id(cached.num_computed_tokens),
+                id(cached.new_block_ids),
+                0,
+            )
+        finally:
+            ctx[T.TB_EXCLUDE_STAMP] = 0
+        if status != K.OK:
+            return False  # the update rolled itself back
+        # finish + add were validated against state the update did not touch
+        status = T.tb_step(self._ix_addr, self._tb_addr, *addrs, 0, 0, 0, 0)
+        if status != K.OK:  # pragma: no cover - cannot happen after validation
+            raise StateError(f"internal error: validated step failed with status {status}")
+        return True
 
     def finish(self, req_ids) -> None:
         """Remove these requests (unknown ids are ignored)."""
