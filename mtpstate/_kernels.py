@@ -57,7 +57,6 @@ E_BLOCK_VALUE = 14
 E_TOKEN_VALUE = 15
 E_MAX_TOKENS = 16
 E_LENGTHS = 17
-E_ROW_RANGE = 18
 E_FALLBACK = 19  # not an error: this step needs the general kernel
 
 # phases, reported in the error context

@@ -123,24 +123,10 @@ def _err(tb, code, pos, arg, phase):
     return code
 
 
-@jit
-def _check_tokens(seq, tp):
-    """(count, status) of a list of token ids, each an int in [0, 2**31)."""
-    items, n, ok = _seq(seq, tp)
-    if not ok:
-        return 0, E_NOT_CANONICAL
-    for j in range(n):
-        v, st = _int_of(_item(items, j), tp)
-        if st != OK:
-            return 0, st
-        if v < 0 or v > INT32_MAX:
-            return 0, E_TOKEN_VALUE
-    return n, OK
-
-
 @jit(inline="always")
-def _check_group(seq, tp):
-    """(count, status) of one group's block ids, each an int in [0, 2**31)."""
+def _check_int31_list(seq, tp, value_error):
+    """(count, status) of a list of ints each in [0, 2**31) (token ids, block
+    ids); ``value_error`` is the status for a value out of range."""
     items, n, ok = _seq(seq, tp)
     if not ok:
         return 0, E_NOT_CANONICAL
@@ -149,7 +135,7 @@ def _check_group(seq, tp):
         if st != OK:
             return 0, st
         if v < 0 or v > INT32_MAX:
-            return j, E_BLOCK_VALUE
+            return 0, value_error
     return n, OK
 
 
@@ -395,7 +381,7 @@ def tb_step(ixc, tbc, fin, nid, nplen, npre, nblk, nnct, nmax, cid, cnct, cblk, 
             plen, st = _int_of(_item(i_plen, k), tp)
             if st != OK:
                 return _err(tb, st, k, 0, PH_NEW)
-            npf, st = _check_tokens(_item(i_pre, k), tp)
+            npf, st = _check_int31_list(_item(i_pre, k), tp, E_TOKEN_VALUE)
             if st != OK:
                 return _err(tb, st, k, 0, PH_NEW)
             if plen < 0 or plen > L or npf > L:
@@ -419,7 +405,7 @@ def tb_step(ixc, tbc, fin, nid, nplen, npre, nblk, nnct, nmax, cid, cnct, cblk, 
             if flat_tok >= 0:
                 nstage += npf
             for g in range(ng):
-                c, st = _check_group(_item(b_items, g), tp)
+                c, st = _check_int31_list(_item(b_items, g), tp, E_BLOCK_VALUE)
                 if st != OK:
                     return _err(tb, st, k, g, PH_NEW)
                 if c > bt_w[g]:
@@ -529,7 +515,7 @@ def tb_step(ixc, tbc, fin, nid, nplen, npre, nblk, nnct, nmax, cid, cnct, cblk, 
                     elif f != tp[7]:
                         return _err(tb, E_NOT_CANONICAL, i, 0, PH_CACHED)
                 for g in range(ng):
-                    c, st = _check_group(_item(b_items, g), tp)
+                    c, st = _check_int31_list(_item(b_items, g), tp, E_BLOCK_VALUE)
                     if st != OK:
                         return _err(tb, st, i, g, PH_CACHED)
                     base = 0
@@ -818,7 +804,7 @@ def tb_update(ixc, tbc, cid, cnct, cblk, cres):
                         arg = b_n
                     else:
                         for g in range(ng):
-                            c, st = _check_group(_item(b_items, g), tp)
+                            c, st = _check_int31_list(_item(b_items, g), tp, E_BLOCK_VALUE)
                             if st != OK:
                                 code = st
                                 arg = g
