@@ -5,6 +5,8 @@ import copy
 import numpy as np
 from hypothesis import strategies as st
 
+from mtpstate import _table_kernels as T
+
 # the simulator's knobs that shape a trace (each test adds its sizes)
 SIM_KNOBS = {
     "num_spec": st.integers(0, 4),
@@ -45,7 +47,7 @@ def table_snapshot(t):
     ix = t._index
     arrays += [ix._slots.copy(), ix._row_hash.copy(), ix._keys.copy(), ix._key_len.copy()]
     # the current prediction buffer (a rejected step may scribble on the other)
-    cur, n = int(t._ctx[24]), int(t._ctx[10])
+    cur, n = int(t._ctx[T.TB_PREV_CUR]), int(t._ctx[T.TB_PREV_N])
     arrays += [t._prev_obj[cur, :n].copy(), t._prev_row[cur, :n].copy()]
     return arrays, len(t), n
 
@@ -72,3 +74,18 @@ def genericize(so, rng):
         r.block_ids = [np.array(g, np.int32) for g in r.block_ids]
     so.finished_req_ids = frozenset(so.finished_req_ids)
     return so
+
+
+def run_differential(cfg, steps, **knobs):
+    """Drive RequestTable and the loop oracle with one simulated trace and
+    compare every field of every live row after every step."""
+    from mtpstate import RequestTable
+    from mtpstate.reference import LoopRequestTable
+    from mtpstate.sim import Simulator
+
+    sim = Simulator(**cfg, **knobs)
+    fast, loop = RequestTable(**cfg), LoopRequestTable(**cfg)
+    for so in sim.run(steps):
+        fast.apply(so)
+        loop.apply(so)
+        assert_tables_agree(fast, loop)

@@ -7,7 +7,7 @@ import sys
 
 import numpy as np
 import pytest
-from helpers import SIM_KNOBS, assert_same_snapshot, assert_tables_agree, genericize, table_snapshot
+from helpers import SIM_KNOBS, assert_same_snapshot, assert_tables_agree, genericize, run_differential, table_snapshot
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -19,6 +19,7 @@ from mtpstate import (
     StateError,
     UnknownRequestError,
 )
+from mtpstate import _table_kernels as T
 from mtpstate.reference import LoopRequestTable
 from mtpstate.sim import CachedRequestData, NewRequestData, SamplingParams, SchedulerOutput, Simulator
 
@@ -306,13 +307,13 @@ def test_reference_counts_balance():
         del keep, fresh
         gc.collect()  # the rejected step's traceback held its lists
         now = [sys.getrefcount(x) for x in ids]
-        owned = int(t._ctx[25])  # TB_PREV_OWNED
+        owned = int(t._ctx[T.TB_PREV_OWNED])
         assert [n - b for n, b in zip(now, base)] == [0] * step + [owned] * n_keep
     # the same objects step after step: the table owns them and predicts by identity
     keep = ids[6:]
     for _ in range(20):
         t.apply(_so(cached=_cached(keep, [5] * len(keep))))
-    assert int(t._ctx[25]) == 1
+    assert int(t._ctx[T.TB_PREV_OWNED]) == 1
     now = [sys.getrefcount(x) for x in ids]
     assert [now[i] - base[i] for i in range(6, len(ids))] == [2] * len(keep)  # the table and the list `keep`
     del keep
@@ -327,8 +328,9 @@ def test_long_differential_traces(mode):
     """Exhaustive: long, busy traces at a few hundred running requests."""
     cfg = dict(max_num_reqs=256, max_model_len=2048, block_sizes=(16, 64))
     for seed in range(3):
-        sim = Simulator(
-            **cfg,
+        run_differential(
+            cfg,
+            1500,
             num_spec=3,
             accept=0.6,
             arrivals_per_step=8,
@@ -342,11 +344,6 @@ def test_long_differential_traces(mode):
             output_len=(1, 300),
             seed=seed,
         )
-        fast, loop = RequestTable(**cfg), LoopRequestTable(**cfg)
-        for so in sim.run(1500):
-            fast.apply(so)
-            loop.apply(so)
-            assert_tables_agree(fast, loop)
 
 
 def test_works_without_torch():
