@@ -172,7 +172,7 @@ class RequestTable:
         c[T.TB_SCR] = self._scratch.ctypes.data
         c[T.TB_FLAT_BT] = self._flat_bt.ctypes.data
         c[T.TB_FLAT_TOK] = -1
-        self._set_staging(np.zeros(1, np.int64), np.zeros(1, np.int32), on=False)
+        # staging slots stay 0 (off, no buffer) unless a device mirror opens a step
         self._ix_addr = self._index._ctx_addr
         self._tb_addr = int(c.ctypes.data)
         if self._mirror is not None:
@@ -216,15 +216,6 @@ class RequestTable:
         return self._index
 
     # -- internals ---------------------------------------------------------
-
-    def _set_staging(self, pos: np.ndarray, val: np.ndarray, on: bool) -> None:
-        # referenced here so the kernel's addresses stay valid
-        self._stg_pos, self._stg_val = pos, val
-        c = self._ctx
-        c[T.TB_STG_POS] = pos.ctypes.data
-        c[T.TB_STG_VAL] = val.ctypes.data
-        c[T.TB_STG_CAP] = min(len(pos), len(val))
-        c[T.TB_STG_ON] = 1 if on else 0
 
     def _launch(self, args):
         """Run the step kernel; handle the retry statuses; raise on bad input."""
