@@ -12,7 +12,7 @@ from mtpstate.errors import (
     UnknownRequestError,
 )
 from mtpstate.index import RequestIndex
-from mtpstate.table import RequestTable
+from mtpstate.table import RequestTable, StepResult
 
 __version__ = "0.1.0"
 
@@ -45,6 +45,7 @@ __all__ = [
     "RequestIndex",
     "RequestTable",
     "StateError",
+    "StepResult",
     "UnknownRequestError",
     "__version__",
     "warmup",

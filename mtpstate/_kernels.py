@@ -25,6 +25,7 @@ from mtpstate._native import (
     fmix,
     int_value,
     jit,
+    load_i32,
     load_i64,
     load_u8,
     load_u32,
@@ -57,12 +58,32 @@ E_BLOCK_VALUE = 14
 E_TOKEN_VALUE = 15
 E_MAX_TOKENS = 16
 E_LENGTHS = 17
-E_FALLBACK = 19  # not an error: this step needs the general kernel
+E_INT_RANGE = 18  # an int outside int64 (or outside what its field allows)
+E_ID_TOO_LONG = 19  # a request id longer than max_id_bytes
 
-# phases, reported in the error context
-PH_FINISH = 0
-PH_NEW = 1
-PH_CACHED = 2
+# phases, reported in the error context: which input the failing item is in
+PH_FINISH = 0  # finished_req_ids
+PH_NEW = 1  # scheduled_new_reqs
+PH_CACHED = 2  # scheduled_cached_reqs
+PH_PREEMPT = 3  # preempted_req_ids
+PH_RESUMED = 4  # scheduled_cached_reqs.resumed_req_ids
+
+# fields, reported in the error context: which attribute of the item
+FLD_NONE = 0
+FLD_REQ_ID = 1
+FLD_PROMPT_LEN = 2
+FLD_TOKENS = 3  # prefill_token_ids
+FLD_NCT = 4  # num_computed_tokens
+FLD_MAX_TOKENS = 5
+FLD_BLOCKS = 6  # block_ids / new_block_ids
+
+# kinds of int vectors the kernels read in place (token ids, counts)
+V_OBJ = 0  # an exact list or tuple of exact ints: addr is the object
+V_ARRAY = 1  # an array.array (or subclass): addr is the object, layout read at kernel time
+V_I32 = 2  # raw C-contiguous buffers: addr is the data, length given
+V_I64 = 3
+V_U32 = 4
+V_U64 = 5
 
 INT32_MAX = 2147483647
 
@@ -96,7 +117,9 @@ IX_NONE = 20
 IX_TRUE = 21
 IX_FALSE = 22
 IX_ASCII_OFF = 23  # data offset of compact ASCII str objects, 0 = read them through the C API
-IX_SIZE = 24
+IX_MAX_KEY = 24  # max_id_bytes: longer ids are refused (new) or cannot be live (lookups)
+IX_ARRAY_OK = 25  # 1: array.array's object layout was verified at import (ob_item, ob_descr)
+IX_SIZE = 26
 
 
 @jit
@@ -201,13 +224,62 @@ def _item(items, i):
 
 @jit(inline="always")
 def _int_of(obj, tp):
-    """(value, status) of an exact int; E_NOT_CANONICAL for anything else."""
+    """(value, status) of an exact int; E_INT_RANGE outside int64,
+    E_NOT_CANONICAL for anything that is not an exact int."""
     if load_i64(obj + OFF_TYPE) != tp[4]:
         return 0, E_NOT_CANONICAL
     v, ok = int_value(obj)
     if not ok:
-        return 0, E_NOT_CANONICAL
+        return 0, E_INT_RANGE
     return v, OK
+
+
+@jit(inline="always")
+def _vec(kind, addr, n, tp, array_ok):
+    """(kind, base, length, status) of an int vector given as (kind, addr,
+    n): for V_OBJ the base is the item pointer array, for V_ARRAY the raw
+    kind of the array's data; raw kinds pass through."""
+    if kind == V_OBJ:
+        items, m, ok = _seq(addr, tp)
+        return V_OBJ, items, m, (OK if ok else E_NOT_CANONICAL)
+    if kind == V_ARRAY:
+        if array_ok == 0:
+            return V_OBJ, 0, 0, E_NOT_CANONICAL
+        # arrayobject: ob_size @16, ob_item @24, ob_descr @40 -> {char typecode; int itemsize}
+        data = load_i64(addr + OFF_ITEMS)
+        m = load_i64(addr + OFF_SIZE)
+        descr = load_i64(addr + 40)
+        code = np.int64(load_u8(descr))
+        size = np.int64(load_u32(descr + 4))
+        if code == 105 or code == 108 or code == 113:  # 'i', 'l', 'q'
+            if size == 4:
+                return V_I32, data, m, OK
+            if size == 8:
+                return V_I64, data, m, OK
+        if code == 73 or code == 76 or code == 81:  # 'I', 'L', 'Q'
+            if size == 4:
+                return V_U32, data, m, OK
+            if size == 8:
+                return V_U64, data, m, OK
+        return V_OBJ, 0, 0, E_NOT_CANONICAL
+    return kind, addr, n, OK
+
+
+@jit(inline="always")
+def _vget(kind, base, j, tp):
+    """(value, status) of element j of a vector from ``_vec``."""
+    if kind == V_OBJ:
+        return _int_of(_item(base, j), tp)
+    if kind == V_I32:
+        return np.int64(load_i32(base + 4 * j)), OK
+    if kind == V_I64:
+        return load_i64(base + 8 * j), OK
+    if kind == V_U32:
+        return np.int64(load_u32(base + 4 * j)), OK
+    u = load_u64(base + 8 * j)
+    if u > np.uint64(9223372036854775807):
+        return 0, E_INT_RANGE
+    return np.int64(u), OK
 
 
 @jit
@@ -374,6 +446,8 @@ def ix_insert(ctx_addr, ids, out):
         ptr, klen, st = _key_of(_item(items, i), allow, tp)
         if st != OK:
             return _set_err(ctx, st, i, 0, 0)
+        if klen > ctx[IX_MAX_KEY]:
+            return _set_err(ctx, E_ID_TOO_LONG, i, klen, 0)
         h = _hash_key(ptr, klen, seed, hmask)
         if klen > (kw - 1) * 8:
             # cannot be live; widening is reported only once all else is valid

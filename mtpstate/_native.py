@@ -70,6 +70,10 @@ def load_i64(addr):
     return ctypes.c_int64.from_address(int(addr)).value
 
 
+def load_i32(addr):
+    return ctypes.c_int32.from_address(int(addr)).value
+
+
 def load_u64(addr):
     return ctypes.c_uint64.from_address(int(addr)).value
 
@@ -101,6 +105,7 @@ def _make_load_intrinsic(bits, signed):
     return _load
 
 
+_ld_i32 = _make_load_intrinsic(32, True)
 _ld_i64 = _make_load_intrinsic(64, True)
 _ld_u64 = _make_load_intrinsic(64, False)
 _ld_u32 = _make_load_intrinsic(32, False)
@@ -110,6 +115,11 @@ _ld_u8 = _make_load_intrinsic(8, False)
 @overload(load_i64, inline="always")
 def _ov_load_i64(addr):
     return lambda addr: _ld_i64(addr)
+
+
+@overload(load_i32, inline="always")
+def _ov_load_i32(addr):
+    return lambda addr: _ld_i32(addr)
 
 
 @overload(load_u64, inline="always")
@@ -560,3 +570,29 @@ def _probe_ascii_offset() -> int:
 
 ASCII_DATA_OFFSET = _probe_ascii_offset()
 STR_STATE_OFFSET = 32
+
+
+# ----------------------------------------------------------------------------
+# array.array: a kernel reads ob_size (16), ob_item (24) and ob_descr (40) ->
+# {char typecode; int itemsize} of an array it is handed. Checked here, on
+# this interpreter; False = such arrays take the Python conversion path.
+
+
+def _probe_array_layout() -> bool:
+    import array
+
+    try:
+        for code, values in (("i", [1, -2, 3]), ("q", [2**40, 5]), ("I", [7])):
+            a = array.array(code, values)
+            data, n = a.buffer_info()
+            if load_i64(id(a) + OFF_ITEMS) != data or load_i64(id(a) + OFF_SIZE) != n:
+                return False
+            descr = load_i64(id(a) + 40)
+            if chr(load_u8(descr)) != code or load_u32(descr + 4) != a.itemsize:
+                return False
+    except Exception:  # pragma: no cover
+        return False
+    return True
+
+
+ARRAY_LAYOUT_OK = _probe_array_layout()

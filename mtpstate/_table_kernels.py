@@ -1,11 +1,22 @@
 """numba kernel that applies one scheduler step to a RequestTable.
 
-Private; launched by ``RequestTable`` (table.py) with integer arguments only:
-the addresses of the index and table contexts and of the scheduler's Python
-lists (0 = absent). Pass 1 reads everything and validates it against the state
-as the step would leave it; pass 2 mutates, and also appends every changed
-element (flat position, value) to the staging buffers of the device mirror
-when that is on. Nothing is written before pass 1 has accepted the whole step.
+Private; launched by ``RequestTable`` (table.py) through one entry,
+``tb_apply``, with integer arguments only: the addresses of the index and
+table contexts, of the scheduler's Python lists (0 = absent) and of the int
+vectors the Python side bound for the step. Every kind of step goes through
+it:
+
+- update-only steps (the steady state of decoding) take a single pass that
+  validates and writes each running request, with an undo log, so a request
+  rejected at position i rolls back positions < i;
+- any other step (finished, preempted, new or resumed requests) takes two
+  passes: pass 1 reads everything and validates it against the state as the
+  step would leave it, pass 2 mutates.
+
+Either way, nothing is left changed by a rejected step. Every changed
+element is also appended (flat position, value) to the staging buffers of
+the device mirror when that is on, and the rows of the step (cached, new,
+freed) are written to the result array the Python side exposes.
 """
 
 from __future__ import annotations
@@ -17,8 +28,9 @@ from mtpstate._kernels import (
     E_BLOCK_VALUE,
     E_CAPACITY,
     E_DUPLICATE,
-    E_FALLBACK,
     E_GROUPS,
+    E_ID_TOO_LONG,
+    E_INT_RANGE,
     E_KEY_TOO_LONG,
     E_LENGTHS,
     E_MAX_TOKENS,
@@ -29,14 +41,26 @@ from mtpstate._kernels import (
     E_TOKEN_VALUE,
     E_TOO_LONG,
     E_UNKNOWN,
+    FLD_BLOCKS,
+    FLD_MAX_TOKENS,
+    FLD_NCT,
+    FLD_NONE,
+    FLD_PROMPT_LEN,
+    FLD_REQ_ID,
+    FLD_TOKENS,
     INT32_MAX,
+    IX_ARRAY_OK,
     IX_FREE_HINT,
+    IX_MAX_KEY,
     IX_NUM_LIVE,
     IX_SIZE,
     OK,
     PH_CACHED,
     PH_FINISH,
     PH_NEW,
+    PH_PREEMPT,
+    PH_RESUMED,
+    V_I32,
     _hash_key,
     _int_of,
     _item,
@@ -50,9 +74,24 @@ from mtpstate._kernels import (
     _raw_equal,
     _seq,
     _slot_insert,
+    _vec,
+    _vget,
     _write_key,
 )
-from mtpstate._native import decref, incref, jit, ld32, ld64, prefetch, st32, st64, view_i32, view_i64
+from mtpstate._native import (
+    OFF_TYPE,
+    decref,
+    incref,
+    jit,
+    ld32,
+    ld64,
+    load_i64,
+    prefetch,
+    st32,
+    st64,
+    view_i32,
+    view_i64,
+)
 
 # per-row int32 fields of the state array, [NUM_FIELDS, max_num_reqs]
 F_NCT = 0  # num_computed_tokens
@@ -62,7 +101,7 @@ F_PROMPT = 3  # prompt_len
 F_MAXSEQ = 4  # max_seq_len
 F_NB = 5  # num_blocks of group g at F_NB + g
 
-# table context slots
+# table context slots (int64; addresses of the arrays the table owns)
 TB_STATE = 0  # addr int32[F_NB + ng, R]
 TB_R = 1
 TB_NG = 2
@@ -79,9 +118,9 @@ TB_ROW_PREV_POS = 9  # addr int32[2, R]: position of each row (valid where prev_
 TB_PREV_N = 10
 TB_SCR = 11  # addr int32[NUM_SCR, R] scratch
 TB_STAMP = 12
-TB_ERR_POS = 13
-TB_ERR_ARG = 14
-TB_ERR_PHASE = 15
+TB_ERR_POS = 13  # error detail: position of the item in its input
+TB_ERR_ARG = 14  # error detail: the offending value, group, ...
+TB_ERR_PHASE = 15  # error detail: PH_* (which input)
 TB_STG_POS = 16  # addr int64[cap]: flat positions of changed elements
 TB_STG_VAL = 17  # addr int32[cap]: their values
 TB_STG_CAP = 18
@@ -89,12 +128,27 @@ TB_STG_N = 19
 TB_STG_ON = 20
 TB_FLAT_BT = 21  # addr int64[ng]: flat offset of each block table
 TB_FLAT_TOK = 22  # flat offset of token_ids; -1: not mirrored
-TB_VALIDATE_ONLY = 23  # 1: stop after pass 1 (dry run: validation only)
+TB_ERR_FIELD = 23  # error detail: FLD_* (which attribute)
 TB_PREV_CUR = 24  # which prediction buffer is current
 TB_PREV_OWNED = 25  # 1: the table holds a reference to each object of the current buffer
 TB_STG_DUPS = 26  # 1: this step staged some element twice (a row added and updated by it)
-TB_EXCLUDE_STAMP = 27  # tb_update: rows marked freed with this stamp must not be updated (0: none)
+TB_RES = 27  # addr int32[3 * R]: rows of the step: cached then new at [0, 2R), freed at [2R, 3R)
+TB_RES_NC = 28  # number of cached rows in the result
+TB_RES_NN = 29  # number of new rows (they follow the cached ones)
+TB_RES_NF = 30  # number of freed rows (ascending)
 TB_SIZE = 32
+
+# the descriptor of one new request, as NEW_STRIDE ints of a flat list built
+# by the Python side (which holds every object these addresses point to)
+N_KEY = 0  # address of the req_id str
+N_PLEN = 1  # prompt_len
+N_NCT = 2  # num_computed_tokens
+N_MAXT = 3  # max_tokens
+N_TOK_KIND = 4  # V_* kind of prefill_token_ids
+N_TOK = 5  # its address
+N_TOK_N = 6  # its length (raw buffers)
+N_BLK = 7  # address of the block_ids tuple (one list per group)
+NEW_STRIDE = 8
 
 # scratch rows
 S_ROWS = 0  # cached position -> row
@@ -108,7 +162,8 @@ S_FREED = 7  # list of freed rows
 S_NEWROW = 8  # new request index -> row
 S_PRIOR = 9  # new request index -> its live row before the step, -1
 S_MISS = 10  # positions of this update that were not identity hits (a list)
-S_NB0 = 11  # + g: per-new-request block counts of group g
+S_FLAGS = 11  # cached position -> 1 if its new blocks replace the row (resumed)
+S_NB0 = 12  # + g: per-new-request block counts of group g
 
 
 def num_scratch_rows(ng):
@@ -116,10 +171,11 @@ def num_scratch_rows(ng):
 
 
 @jit
-def _err(tb, code, pos, arg, phase):
+def _err(tb, code, pos, arg, phase, field):
     tb[TB_ERR_POS] = pos
     tb[TB_ERR_ARG] = arg
     tb[TB_ERR_PHASE] = phase
+    tb[TB_ERR_FIELD] = field
     return code
 
 
@@ -132,6 +188,8 @@ def _check_int31_list(seq, tp, value_error):
         return 0, E_NOT_CANONICAL
     for j in range(n):
         v, st = _int_of(_item(items, j), tp)
+        if st == E_INT_RANGE:
+            return 0, value_error
         if st != OK:
             return 0, st
         if v < 0 or v > INT32_MAX:
@@ -210,12 +268,16 @@ def _commit_prediction(tb, a_scr, R, stamp, nc, hits, nmiss, a_prev_obj, prev_n,
     o_miss = S_MISS * R
     if own_next and cur_owned and hits == prev_n:
         for k in range(nmiss):
-            incref(ld64(a_prev_obj_next, ld32(a_scr, o_miss + k)))
+            obj = ld64(a_prev_obj_next, ld32(a_scr, o_miss + k))
+            if obj != 0:
+                incref(obj)
     else:
         # +1 for every remembered object, -1 for every forgotten one
         for i in range(nc):
             if own_next:
-                incref(ld64(a_prev_obj_next, i))
+                obj = ld64(a_prev_obj_next, i)
+                if obj != 0:
+                    incref(obj)
             else:
                 st64(a_prev_obj_next, i, 0)
         if cur_owned:
@@ -226,6 +288,14 @@ def _commit_prediction(tb, a_scr, R, stamp, nc, hits, nmiss, a_prev_obj, prev_n,
     tb[TB_PREV_OWNED] = 1 if own_next else 0
     tb[TB_PREV_N] = nc
     tb[TB_PREV_CUR] = 1 - tb[TB_PREV_CUR]
+
+
+@jit(inline="always")
+def _owned_obj(obj, tp):
+    """The id object to remember for identity prediction: only exact str
+    (releasing one runs no Python code; a str subclass could run a
+    ``__del__`` inside the kernel), else 0 (predicted by bytes)."""
+    return obj if load_i64(obj + OFF_TYPE) == tp[2] else 0
 
 
 @jit(inline="always")
@@ -254,394 +324,6 @@ def _predict_miss(obj, j, prev_n, a_prev_row, a_rpp, slots, mask, keys, kw, seed
         if 0 <= pp < prev_n and ld32(a_prev_row, pp) == row:
             j = pp + 1
     return row, j, OK, h, ptr, klen
-
-
-@jit
-def tb_step(ixc, tbc, fin, nid, nplen, npre, nblk, nnct, nmax, cid, cnct, cblk, cres):
-    ix = view_i64(ixc, IX_SIZE)
-    tb = view_i64(tbc, TB_SIZE)
-    tp = _pytypes(ix)
-    slots, row_hash, keys, key_len = _ix_arrays(ix)
-    mask, kw, seed, hmask, allow = _ix_params(ix)
-    R, ng, L = tb[TB_R], tb[TB_NG], tb[TB_L]
-    state = view_i32(tb[TB_STATE], (F_NB + ng) * R)
-    bt_addr = view_i64(tb[TB_BT_ADDR], ng)
-    bt_w = view_i64(tb[TB_BT_W], ng)
-    tok = view_i32(tb[TB_TOK], R * L)
-    cur = tb[TB_PREV_CUR]
-    prev_n = tb[TB_PREV_N]
-    scr = view_i32(tb[TB_SCR], (S_NB0 + ng) * R)
-    staging = tb[TB_STG_ON] != 0
-    stg_cap = tb[TB_STG_CAP]
-    stg_pos = view_i64(tb[TB_STG_POS], stg_cap)
-    stg_val = view_i32(tb[TB_STG_VAL], stg_cap)
-    flat_bt = view_i64(tb[TB_FLAT_BT], ng)
-    flat_tok = tb[TB_FLAT_TOK]
-    a_state = tb[TB_STATE]
-    a_scr = tb[TB_SCR]
-    a_prev_obj, a_prev_row, a_rpp, a_prev_obj_next, a_prev_row_next, a_rpp_next = _prediction_buffers(tb, R, cur)
-    a_stg_pos = tb[TB_STG_POS]
-    a_stg_val = tb[TB_STG_VAL]
-    stamp = tb[TB_STAMP] + 1
-    tb[TB_STAMP] = stamp
-    tb[TB_STG_DUPS] = 0
-    O_ROWS = S_ROWS * R
-    O_NCT = S_NCT * R
-    O_FREE = S_FREE * R
-    O_SEEN = S_SEEN * R
-    O_RED = S_REDIRECT * R
-    O_NEW = S_NEW * R
-    O_NEWPOS = S_NEWPOS * R
-    O_FREED = S_FREED * R
-    O_NEWROW = S_NEWROW * R
-    O_PRIOR = S_PRIOR * R
-    O_NB = S_NB0 * R
-    need_bytes = 0
-    nstage = 0
-
-    # ---------------- pass 1: read and validate, write nothing -------------
-    # finish: finished_req_ids | preempted_req_ids; unknown ids are ignored
-    nfreed = 0
-    min_freed = R
-    if fin != 0:
-        items, n, ok = _seq(fin, tp)
-        if not ok:
-            return _err(tb, E_NOT_CANONICAL, -1, 0, PH_FINISH)
-        for i in range(n):
-            ptr, klen, st = _key_of(_item(items, i), allow, tp)
-            if st != OK:
-                return _err(tb, st, i, 0, PH_FINISH)
-            if klen > (kw - 1) * 8:
-                continue
-            h = _hash_key(ptr, klen, seed, hmask)
-            r = _probe(slots, mask, keys, kw, h, ptr, klen)
-            if r >= 0 and scr[O_FREE + r] != stamp:
-                scr[O_FREE + r] = stamp
-                scr[O_RED + r] = -1
-                scr[O_FREED + nfreed] = r
-                nfreed += 1
-                min_freed = min(min_freed, r)
-
-    # new requests: a live id is removed first (re-sent request)
-    nn = 0
-    new_ptr = np.empty(0, np.int64)
-    new_len = np.empty(0, np.int64)
-    new_hash = np.empty(0, np.uint64)
-    new_tab = np.empty(0, np.int64)
-    ntab_mask = 0
-    if nid != 0:
-        items, nn, ok = _seq(nid, tp)
-        i_plen, n1, ok1 = _seq(nplen, tp)
-        i_pre, n2, ok2 = _seq(npre, tp)
-        i_blk, n3, ok3 = _seq(nblk, tp)
-        i_nct, n4, ok4 = _seq(nnct, tp)
-        i_max, n5, ok5 = _seq(nmax, tp)
-        if not (ok and ok1 and ok2 and ok3 and ok4 and ok5):
-            return _err(tb, E_NOT_CANONICAL, -1, 0, PH_NEW)
-        if n1 != nn or n2 != nn or n3 != nn or n4 != nn or n5 != nn:
-            return _err(tb, E_LENGTHS, -1, 0, PH_NEW)
-        if nn > R:
-            return _err(tb, E_CAPACITY, -1, nn, PH_NEW)
-        new_ptr = np.empty(nn, np.int64)
-        new_len = np.empty(nn, np.int64)
-        new_hash = np.empty(nn, np.uint64)
-        tsize = 8
-        while tsize < 2 * nn:
-            tsize *= 2
-        ntab_mask = tsize - 1
-        new_tab = np.full(tsize, -1, np.int64)
-        for k in range(nn):
-            ptr, klen, st = _key_of(_item(items, k), allow, tp)
-            if st != OK:
-                return _err(tb, st, k, 0, PH_NEW)
-            h = _hash_key(ptr, klen, seed, hmask)
-            s = np.int64(h & np.uint64(ntab_mask))
-            while new_tab[s] >= 0:
-                j = new_tab[s]
-                if new_hash[j] == h and _raw_equal(new_ptr[j], new_len[j], ptr, klen):
-                    return _err(tb, E_DUPLICATE, k, j, PH_NEW)
-                s = (s + 1) & ntab_mask
-            new_tab[s] = k
-            new_ptr[k] = ptr
-            new_len[k] = klen
-            new_hash[k] = h
-            prior = -1
-            if klen > (kw - 1) * 8:
-                need_bytes = max(need_bytes, klen)
-            else:
-                prior = _probe(slots, mask, keys, kw, h, ptr, klen)
-            scr[O_PRIOR + k] = prior
-            if prior >= 0 and scr[O_FREE + prior] != stamp:
-                scr[O_FREE + prior] = stamp
-                scr[O_RED + prior] = -1
-                scr[O_FREED + nfreed] = prior
-                nfreed += 1
-                min_freed = min(min_freed, prior)
-            # payload
-            plen, st = _int_of(_item(i_plen, k), tp)
-            if st != OK:
-                return _err(tb, st, k, 0, PH_NEW)
-            npf, st = _check_int31_list(_item(i_pre, k), tp, E_TOKEN_VALUE)
-            if st != OK:
-                return _err(tb, st, k, 0, PH_NEW)
-            if plen < 0 or plen > L or npf > L:
-                return _err(tb, E_TOO_LONG, k, max(plen, npf), PH_NEW)
-            nct, st = _int_of(_item(i_nct, k), tp)
-            if st != OK:
-                return _err(tb, st, k, 0, PH_NEW)
-            if nct < 0 or nct > npf:
-                return _err(tb, E_NEW_NCT_RANGE, k, nct, PH_NEW)
-            mt, st = _int_of(_item(i_max, k), tp)
-            if st != OK:
-                return _err(tb, st, k, 0, PH_NEW)
-            if mt < 0 or plen + mt > INT32_MAX:
-                return _err(tb, E_MAX_TOKENS, k, mt, PH_NEW)
-            b_items, b_n, ok = _seq(_item(i_blk, k), tp)
-            if not ok:
-                return _err(tb, E_NOT_CANONICAL, k, 0, PH_NEW)
-            if b_n != ng:
-                return _err(tb, E_GROUPS, k, b_n, PH_NEW)
-            nstage += F_NB + ng
-            if flat_tok >= 0:
-                nstage += npf
-            for g in range(ng):
-                c, st = _check_int31_list(_item(b_items, g), tp, E_BLOCK_VALUE)
-                if st != OK:
-                    return _err(tb, st, k, g, PH_NEW)
-                if c > bt_w[g]:
-                    return _err(tb, E_BLOCK_OVERFLOW, k, g, PH_NEW)
-                scr[O_NB + g * R + k] = c
-                nstage += c
-        # rows: the lowest free rows (freed by this step included), in order
-        cursor = min(ix[IX_FREE_HINT], min_freed)
-        for k in range(nn):
-            while cursor < R and not (key_len[cursor] < 0 or scr[O_FREE + cursor] == stamp):
-                cursor += 1
-            if cursor >= R:
-                return _err(tb, E_CAPACITY, k, nn, PH_NEW)
-            scr[O_NEWROW + k] = cursor
-            scr[O_NEW + cursor] = stamp
-            scr[O_NEWPOS + cursor] = k
-            cursor += 1
-        for k in range(nn):
-            prior = scr[O_PRIOR + k]
-            if prior >= 0:
-                scr[O_RED + prior] = scr[O_NEWROW + k]
-
-    # cached requests: predicted from the previous update's order, verified
-    nc = 0
-    i_cid = 0
-    i_cblk = 0
-    i_cres = 0
-    if cid != 0:
-        i_cid, nc, ok = _seq(cid, tp)
-        i_cnct, n1, ok1 = _seq(cnct, tp)
-        i_cblk, n2, ok2 = _seq(cblk, tp)
-        ok3 = True
-        n3 = nc
-        if cres != 0:
-            i_cres, n3, ok3 = _seq(cres, tp)
-        if not (ok and ok1 and ok2 and ok3):
-            return _err(tb, E_NOT_CANONICAL, -1, 0, PH_CACHED)
-        if n1 != nc or n2 != nc or n3 != nc:
-            return _err(tb, E_LENGTHS, -1, 0, PH_CACHED)
-        if nc > R:
-            return _err(tb, E_DUPLICATE, -1, nc, PH_CACHED)
-        none = tp[5]
-        true_ = tp[6]
-        j = 0
-        hits = 0
-        nmiss = 0
-        for i in range(nc):
-            obj = _item(i_cid, i)
-            row = ld32(a_prev_row, j) if j < prev_n and ld64(a_prev_obj, j) == obj else -1
-            st = OK
-            h = np.uint64(0)
-            ptr = 0
-            klen = 0
-            if row >= 0:
-                hits += 1
-                j += 1
-            else:
-                st32(a_scr, S_MISS * R + nmiss, i)
-                nmiss += 1
-                row, j, st, h, ptr, klen = _predict_miss(
-                    obj, j, prev_n, a_prev_row, a_rpp, slots, mask, keys, kw, seed, hmask, allow, tp
-                )
-            if st != OK:
-                return _err(tb, st, i, 0, PH_CACHED)
-            via_new = False
-            if row < 0 and nn > 0:
-                # not live before this step: maybe added by it
-                s = np.int64(h & np.uint64(ntab_mask))
-                while new_tab[s] >= 0:
-                    k = new_tab[s]
-                    if new_hash[k] == h and _raw_equal(new_ptr[k], new_len[k], ptr, klen):
-                        row = scr[O_NEWROW + k]
-                        via_new = True
-                        break
-                    s = (s + 1) & ntab_mask
-            if row < 0:
-                return _err(tb, E_UNKNOWN, i, 0, PH_CACHED)
-            if nfreed > 0 and not via_new and ld32(a_scr, O_FREE + row) == stamp:
-                row = ld32(a_scr, O_RED + row)
-                if row < 0:
-                    return _err(tb, E_UNKNOWN, i, 1, PH_CACHED)
-            if nn > 0 and ld32(a_scr, O_NEW + row) == stamp:
-                tb[TB_STG_DUPS] = 1
-            if ld32(a_scr, O_SEEN + row) == stamp:
-                return _err(tb, E_DUPLICATE, i, 0, PH_CACHED)
-            st32(a_scr, O_SEEN + row, stamp)
-            v, st = _int_of(_item(i_cnct, i), tp)
-            if st != OK:
-                return _err(tb, st, i, 0, PH_CACHED)
-            if v < 0 or v > L:
-                return _err(tb, E_NCT_RANGE, i, v, PH_CACHED)
-            st32(a_scr, O_ROWS + i, row)
-            st32(a_scr, O_NCT + i, v)
-            nstage += 2
-            b = _item(i_cblk, i)
-            if b != none:
-                b_items, b_n, ok = _seq(b, tp)
-                if not ok:
-                    return _err(tb, E_NOT_CANONICAL, i, 0, PH_CACHED)
-                if b_n != ng:
-                    return _err(tb, E_GROUPS, i, b_n, PH_CACHED)
-                resumed = False
-                if cres != 0:
-                    f = _item(i_cres, i)
-                    if f == true_:
-                        resumed = True
-                    elif f != tp[7]:
-                        return _err(tb, E_NOT_CANONICAL, i, 0, PH_CACHED)
-                for g in range(ng):
-                    c, st = _check_int31_list(_item(b_items, g), tp, E_BLOCK_VALUE)
-                    if st != OK:
-                        return _err(tb, st, i, g, PH_CACHED)
-                    base = 0
-                    if not resumed:
-                        if nn > 0 and ld32(a_scr, O_NEW + row) == stamp:
-                            base = ld32(a_scr, O_NB + g * R + ld32(a_scr, O_NEWPOS + row))
-                        else:
-                            base = ld32(a_state, (F_NB + g) * R + row)
-                    if base + c > bt_w[g]:
-                        return _err(tb, E_BLOCK_OVERFLOW, i, g, PH_CACHED)
-                    nstage += 1 + c
-                    if c > 0:
-                        prefetch(bt_addr[g] + 4 * (np.int64(row) * bt_w[g] + base))
-    if need_bytes > 0:
-        return _err(tb, E_KEY_TOO_LONG, -1, need_bytes, PH_NEW)
-    if staging and nstage > stg_cap:
-        return _err(tb, E_STAGE_FULL, -1, nstage, 0)
-
-    if tb[TB_VALIDATE_ONLY] != 0:
-        return OK
-
-    # ---------------- pass 2: apply ----------------------------------------
-    ns = 0
-    for f in range(nfreed):
-        r = scr[O_FREED + f]
-        _ix_free_row(ix, slots, row_hash, key_len, r)
-        pp = ld32(a_rpp, r)
-        if 0 <= pp < prev_n and ld32(a_prev_row, pp) == r:
-            st32(a_prev_row, pp, -1)
-    if nn > 0:
-        i_pre, n2, ok2 = _seq(npre, tp)
-        i_blk, n3, ok3 = _seq(nblk, tp)
-        i_plen, n1, ok1 = _seq(nplen, tp)
-        i_nct, n4, ok4 = _seq(nnct, tp)
-        i_max, n5, ok5 = _seq(nmax, tp)
-        for k in range(nn):
-            r = scr[O_NEWROW + k]
-            _write_key(keys, kw, key_len, row_hash, r, new_ptr[k], new_len[k], new_hash[k])
-            _slot_insert(slots, mask, new_hash[k], r)
-            ix[IX_NUM_LIVE] += 1
-            plen, st = _int_of(_item(i_plen, k), tp)
-            nct, st = _int_of(_item(i_nct, k), tp)
-            mt, st = _int_of(_item(i_max, k), tp)
-            p_items, npf, ok = _seq(_item(i_pre, k), tp)
-            tbase = np.int64(r) * L
-            for t in range(npf):
-                v, st = _int_of(_item(p_items, t), tp)
-                tok[tbase + t] = v
-                if staging and flat_tok >= 0:
-                    stg_pos[ns] = flat_tok + tbase + t
-                    stg_val[ns] = v
-                    ns += 1
-            state[F_NCT * R + r] = nct
-            state[F_NCPT * R + r] = min(nct, npf)
-            state[F_PREFILL * R + r] = npf
-            state[F_PROMPT * R + r] = plen
-            state[F_MAXSEQ * R + r] = plen + mt
-            b_items, b_n, ok = _seq(_item(i_blk, k), tp)
-            for g in range(ng):
-                c = scr[O_NB + g * R + k]
-                state[(F_NB + g) * R + r] = c
-                ns = _write_group(
-                    _item(b_items, g),
-                    tp,
-                    bt_addr[g],
-                    bt_w[g],
-                    r,
-                    0,
-                    staging,
-                    a_stg_pos,
-                    a_stg_val,
-                    ns,
-                    flat_bt[g],
-                )
-            if staging:
-                for f in range(F_NB + ng):
-                    stg_pos[ns] = f * R + r
-                    stg_val[ns] = state[f * R + r]
-                    ns += 1
-        if min_freed < ix[IX_FREE_HINT]:
-            ix[IX_FREE_HINT] = min_freed
-    elif min_freed < ix[IX_FREE_HINT]:
-        ix[IX_FREE_HINT] = min_freed
-    if cid != 0:
-        i_cid, nc, ok = _seq(cid, tp)
-        none = tp[5]
-        for i in range(nc):
-            r = ld32(a_scr, O_ROWS + i)
-            v = ld32(a_scr, O_NCT + i)
-            ns = _put(a_state, F_NCT * R + r, v, staging, a_stg_pos, a_stg_val, ns)
-            m = min(v, ld32(a_state, F_PREFILL * R + r))
-            ns = _put(a_state, F_NCPT * R + r, m, staging, a_stg_pos, a_stg_val, ns)
-            b = _item(i_cblk, i)
-            if b != none:
-                resumed = cres != 0 and _item(i_cres, i) == tp[6]
-                b_items, b_n, ok = _seq(b, tp)
-                for g in range(ng):
-                    nbpos = (F_NB + g) * R + r
-                    start = 0 if resumed else ld32(a_state, nbpos)
-                    gi, c, ok = _seq(_item(b_items, g), tp)
-                    ns = _write_group(
-                        _item(b_items, g),
-                        tp,
-                        bt_addr[g],
-                        bt_w[g],
-                        r,
-                        start,
-                        staging,
-                        a_stg_pos,
-                        a_stg_val,
-                        ns,
-                        flat_bt[g],
-                    )
-                    st32(a_state, nbpos, start + c)
-                    if staging:
-                        st64(a_stg_pos, ns, nbpos)
-                        st32(a_stg_val, ns, start + c)
-                        ns += 1
-            # remember this update's order and objects for the next prediction
-            # (row_prev_pos[r] is trusted only where prev_row points back at r)
-            st64(a_prev_obj_next, i, _item(i_cid, i))
-            st32(a_prev_row_next, i, r)
-            st32(a_rpp_next, r, i)
-        _commit_prediction(tb, a_scr, R, stamp, nc, hits, nmiss, a_prev_obj, prev_n, a_prev_obj_next)
-    tb[TB_STG_N] = ns
-    return OK
 
 
 @jit
@@ -675,11 +357,22 @@ def _seen_in_this_update(a_rpp_next, a_prev_row_next, row, i):
 
 
 @jit
-def tb_update(ixc, tbc, cid, cnct, cblk, cres):
-    """The running requests' update in a single pass: an update-only step
-    (the steady state of decoding), or the update part of a step whose
-    finish and add touch none of its rows (``TB_EXCLUDE_STAMP``, see
-    ``RequestTable._apply_split``).
+def tb_apply(ixc, tbc, fin, pre, new, cid, cnct_kind, cnct, cnct_n, cblk, cres):
+    """Apply one step. ``fin``/``pre``: lists of finished/preempted ids;
+    ``new``: the flat list of new-request descriptors (``N_*``);
+    ``cid``/``cblk``: the cached requests' req_ids and new_block_ids lists;
+    ``cnct``: their num_computed_tokens as an int vector (``cnct_kind``,
+    ``cnct_n``); ``cres``: list of resumed ids. 0 = absent. Returns OK or an
+    error status (detail in the context)."""
+    if fin == 0 and pre == 0 and new == 0 and cres == 0:
+        return _update_only(ixc, tbc, cid, cnct_kind, cnct, cnct_n, cblk)
+    return _general(ixc, tbc, fin, pre, new, cid, cnct_kind, cnct, cnct_n, cblk, cres)
+
+
+@jit
+def _update_only(ixc, tbc, cid, cnct_kind, cnct, cnct_n, cblk):
+    """The running requests' update in a single pass (the steady state of
+    decoding).
 
     Each request is validated and written in the same pass; its previous
     ``num_computed_tokens`` goes to an undo log, so a request rejected at
@@ -699,6 +392,7 @@ def tb_update(ixc, tbc, cid, cnct, cblk, cres):
     flat_bt = view_i64(tb[TB_FLAT_BT], ng)
     a_state = tb[TB_STATE]
     a_scr = tb[TB_SCR]
+    a_res = tb[TB_RES]
     cur = tb[TB_PREV_CUR]
     prev_n = tb[TB_PREV_N]
     a_prev_obj, a_prev_row, a_rpp, a_prev_obj_next, a_prev_row_next, a_rpp_next = _prediction_buffers(tb, R, cur)
@@ -706,30 +400,36 @@ def tb_update(ixc, tbc, cid, cnct, cblk, cres):
     stg_cap = tb[TB_STG_CAP]
     a_stg_pos = tb[TB_STG_POS]
     a_stg_val = tb[TB_STG_VAL]
-    excl = tb[TB_EXCLUDE_STAMP]
     stamp = tb[TB_STAMP] + 1
     tb[TB_STAMP] = stamp
+    tb[TB_STG_DUPS] = 0
+    tb[TB_RES_NC] = 0
+    tb[TB_RES_NN] = 0
+    tb[TB_RES_NF] = 0
+    tb[TB_STG_N] = 0
+    if cid == 0:
+        return OK
     O_NCT = S_NCT * R
     O_ROWS = S_ROWS * R
     O_MISS = S_MISS * R
     i_cid, nc, ok = _seq(cid, tp)
-    i_cnct, n1, ok1 = _seq(cnct, tp)
+    if not ok:
+        return _err(tb, E_NOT_CANONICAL, -1, 0, PH_CACHED, FLD_REQ_ID)
+    vk, vb, n1, st1 = _vec(cnct_kind, cnct, cnct_n, tp, ix[IX_ARRAY_OK])
+    if st1 != OK:
+        return _err(tb, st1, -1, 0, PH_CACHED, FLD_NCT)
     i_cblk, n2, ok2 = _seq(cblk, tp)
-    i_cres = 0
-    ok3 = True
-    n3 = nc
-    if cres != 0:
-        i_cres, n3, ok3 = _seq(cres, tp)
-    if not (ok and ok1 and ok2 and ok3):
-        return _err(tb, E_NOT_CANONICAL, -1, 0, PH_CACHED)
-    if n1 != nc or n2 != nc or n3 != nc:
-        return _err(tb, E_LENGTHS, -1, 0, PH_CACHED)
+    if not ok2:
+        return _err(tb, E_NOT_CANONICAL, -1, 0, PH_CACHED, FLD_BLOCKS)
+    if n1 != nc:
+        return _err(tb, E_LENGTHS, -1, n1, PH_CACHED, FLD_NCT)
+    if n2 != nc:
+        return _err(tb, E_LENGTHS, -1, n2, PH_CACHED, FLD_BLOCKS)
     if nc > R:
-        return _err(tb, E_DUPLICATE, -1, nc, PH_CACHED)
+        return _err(tb, E_DUPLICATE, -1, nc, PH_CACHED, FLD_REQ_ID)
     if staging and 2 * nc > stg_cap:
-        return _err(tb, E_STAGE_FULL, -1, 2 * nc, 0)
+        return _err(tb, E_STAGE_FULL, -1, 2 * nc, 0, FLD_NONE)
     none = tp[5]
-    true_ = tp[6]
     j = 0
     hits = 0
     nmiss = 0
@@ -771,32 +471,28 @@ def tb_update(ixc, tbc, cid, cnct, cblk, cres):
             dup = row >= 0 and _seen_in_this_update(a_rpp_next, a_prev_row_next, row, i)
         code = OK
         arg = 0
+        field = FLD_REQ_ID
+        v = 0
         if st != OK:
             code = st
         elif row < 0:
             code = E_UNKNOWN
         elif dup:
             code = E_DUPLICATE
-        elif excl != 0 and ld32(a_scr, S_FREE * R + row) == excl:
-            code = E_FALLBACK  # finished or re-sent by this step
         else:
-            v, st = _int_of(_item(i_cnct, i), tp)
+            v, st = _vget(vk, vb, i, tp)
             if st != OK:
-                code = st
+                code = E_NCT_RANGE if st == E_INT_RANGE else st
+                field = FLD_NCT
             elif v < 0 or v > L:
                 code = E_NCT_RANGE
+                field = FLD_NCT
                 arg = v
             else:
                 b = _item(i_cblk, i)
                 if b != none:
+                    field = FLD_BLOCKS
                     b_items, b_n, ok = _seq(b, tp)
-                    resumed = False
-                    if cres != 0:
-                        f = _item(i_cres, i)
-                        if f == true_:
-                            resumed = True
-                        elif f != tp[7]:
-                            ok = False
                     if not ok:
                         code = E_NOT_CANONICAL
                     elif b_n != ng:
@@ -809,7 +505,7 @@ def tb_update(ixc, tbc, cid, cnct, cblk, cres):
                                 code = st
                                 arg = g
                                 break
-                            base = 0 if resumed else ld32(a_state, (F_NB + g) * R + row)
+                            base = ld32(a_state, (F_NB + g) * R + row)
                             if base + c > bt_w[g]:
                                 code = E_BLOCK_OVERFLOW
                                 arg = g
@@ -822,31 +518,30 @@ def tb_update(ixc, tbc, cid, cnct, cblk, cres):
                             nblk += 1
         if code != OK:
             _undo_update(a_state, a_scr, a_prev_row if sync else a_prev_row_next, R, i)
-            return _err(tb, code, i, arg, PH_CACHED)
+            return _err(tb, code, i, arg, PH_CACHED, field)
         st32(a_scr, O_NCT + i, ld32(a_state, F_NCT * R + row))  # undo log
         ns = _put(a_state, F_NCT * R + row, v, staging, a_stg_pos, a_stg_val, ns)
         m = min(v, ld32(a_state, F_PREFILL * R + row))
         ns = _put(a_state, F_NCPT * R + row, m, staging, a_stg_pos, a_stg_val, ns)
+        st32(a_res, i, row)
         if not sync:
-            st64(a_prev_obj_next, i, obj)
+            st64(a_prev_obj_next, i, _owned_obj(obj, tp))
             st32(a_prev_row_next, i, row)
             st32(a_rpp_next, row, i)
     if staging and ns + nstage_blocks > stg_cap:
         _undo_update(a_state, a_scr, a_prev_row if sync else a_prev_row_next, R, nc)
-        return _err(tb, E_STAGE_FULL, -1, ns + nstage_blocks, 0)
+        return _err(tb, E_STAGE_FULL, -1, ns + nstage_blocks, 0, FLD_NONE)
     unchanged = sync and nc == prev_n  # the same objects in the same order: keep the prediction
     if sync and not unchanged:
         _materialize(a_prev_obj, a_prev_row, a_prev_obj_next, a_prev_row_next, a_rpp_next, nc)
-    a_rows = a_prev_row if unchanged else a_prev_row_next
     # accepted: block appends, then the prediction buffer becomes current
     for k in range(nblk):
         i = ld32(a_scr, O_ROWS + k)
-        r = ld32(a_rows, i)
-        resumed = cres != 0 and _item(i_cres, i) == true_
+        r = ld32(a_res, i)
         b_items, b_n, ok = _seq(_item(i_cblk, i), tp)
         for g in range(ng):
             nbpos = (F_NB + g) * R + r
-            start = 0 if resumed else ld32(a_state, nbpos)
+            start = ld32(a_state, nbpos)
             gi, c, ok = _seq(_item(b_items, g), tp)
             ns = _write_group(
                 _item(b_items, g), tp, bt_addr[g], bt_w[g], r, start, staging, a_stg_pos, a_stg_val, ns, flat_bt[g]
@@ -858,5 +553,496 @@ def tb_update(ixc, tbc, cid, cnct, cblk, cres):
                 ns += 1
     if not unchanged:
         _commit_prediction(tb, a_scr, R, stamp, nc, hits, nmiss, a_prev_obj, prev_n, a_prev_obj_next)
+    tb[TB_RES_NC] = nc
+    tb[TB_STG_N] = ns
+    return OK
+
+
+@jit(inline="always")
+def _free_ids(
+    seq, phase, tb, tp, slots, mask, keys, kw, seed, hmask, allow, scr, O_FREE, O_RED, O_FREED, stamp, nfreed
+):
+    """Pass 1 of finish: mark the live rows of ``seq``'s ids freed (unknown
+    ids are ignored). Returns (freed count, status)."""
+    items, n, ok = _seq(seq, tp)
+    if not ok:
+        return nfreed, _err(tb, E_NOT_CANONICAL, -1, 0, phase, FLD_REQ_ID)
+    for i in range(n):
+        ptr, klen, st = _key_of(_item(items, i), allow, tp)
+        if st != OK:
+            return nfreed, _err(tb, st, i, 0, phase, FLD_REQ_ID)
+        if klen > (kw - 1) * 8:
+            continue  # longer than any stored key: not live
+        h = _hash_key(ptr, klen, seed, hmask)
+        r = _probe(slots, mask, keys, kw, h, ptr, klen)
+        if r >= 0 and scr[O_FREE + r] != stamp:
+            scr[O_FREE + r] = stamp
+            scr[O_RED + r] = -1
+            scr[O_FREED + nfreed] = r
+            nfreed += 1
+    return nfreed, OK
+
+
+@jit(inline="always")
+def _desc(items, i, tp):
+    """An address stored in the new-request descriptor list (an exact int
+    table.py made with ``id()``)."""
+    v, st = _int_of(_item(items, i), tp)
+    return v
+
+
+@jit(inline="always")
+def _small_table(n):
+    tsize = 8
+    while tsize < 2 * n:
+        tsize *= 2
+    return np.full(tsize, -1, np.int64), tsize - 1
+
+
+@jit(inline="always")
+def _table_find(tab, tmask, t_hash, t_ptr, t_len, h, ptr, klen):
+    """Index of the key in a small open-addressing table of this step's keys
+    (new ids, resumed ids), or -1; compared by bytes."""
+    s = np.int64(h & np.uint64(tmask))
+    while tab[s] >= 0:
+        k = tab[s]
+        if t_hash[k] == h and _raw_equal(t_ptr[k], t_len[k], ptr, klen):
+            return k
+        s = (s + 1) & tmask
+    return -1
+
+
+@jit(inline="always")
+def _table_add(tab, tmask, h, k):
+    s = np.int64(h & np.uint64(tmask))
+    while tab[s] >= 0:
+        s = (s + 1) & tmask
+    tab[s] = k
+
+
+@jit
+def _general(ixc, tbc, fin, pre, new, cid, cnct_kind, cnct, cnct_n, cblk, cres):
+    ix = view_i64(ixc, IX_SIZE)
+    tb = view_i64(tbc, TB_SIZE)
+    tp = _pytypes(ix)
+    slots, row_hash, keys, key_len = _ix_arrays(ix)
+    mask, kw, seed, hmask, allow = _ix_params(ix)
+    max_key = ix[IX_MAX_KEY]
+    array_ok = ix[IX_ARRAY_OK]
+    R, ng, L = tb[TB_R], tb[TB_NG], tb[TB_L]
+    state = view_i32(tb[TB_STATE], (F_NB + ng) * R)
+    bt_addr = view_i64(tb[TB_BT_ADDR], ng)
+    bt_w = view_i64(tb[TB_BT_W], ng)
+    tok = view_i32(tb[TB_TOK], R * L)
+    cur = tb[TB_PREV_CUR]
+    prev_n = tb[TB_PREV_N]
+    scr = view_i32(tb[TB_SCR], (S_NB0 + ng) * R)
+    res = view_i32(tb[TB_RES], 3 * R)
+    staging = tb[TB_STG_ON] != 0
+    stg_cap = tb[TB_STG_CAP]
+    stg_pos = view_i64(tb[TB_STG_POS], stg_cap)
+    stg_val = view_i32(tb[TB_STG_VAL], stg_cap)
+    flat_bt = view_i64(tb[TB_FLAT_BT], ng)
+    flat_tok = tb[TB_FLAT_TOK]
+    a_state = tb[TB_STATE]
+    a_scr = tb[TB_SCR]
+    a_prev_obj, a_prev_row, a_rpp, a_prev_obj_next, a_prev_row_next, a_rpp_next = _prediction_buffers(tb, R, cur)
+    a_stg_pos = tb[TB_STG_POS]
+    a_stg_val = tb[TB_STG_VAL]
+    stamp = tb[TB_STAMP] + 1
+    tb[TB_STAMP] = stamp
+    tb[TB_STG_DUPS] = 0
+    tb[TB_RES_NC] = 0
+    tb[TB_RES_NN] = 0
+    tb[TB_RES_NF] = 0
+    tb[TB_STG_N] = 0
+    O_ROWS = S_ROWS * R
+    O_NCT = S_NCT * R
+    O_FREE = S_FREE * R
+    O_SEEN = S_SEEN * R
+    O_RED = S_REDIRECT * R
+    O_NEW = S_NEW * R
+    O_NEWPOS = S_NEWPOS * R
+    O_FREED = S_FREED * R
+    O_NEWROW = S_NEWROW * R
+    O_PRIOR = S_PRIOR * R
+    O_FLAGS = S_FLAGS * R
+    O_NB = S_NB0 * R
+    need_bytes = 0
+    nstage = 0
+
+    # ---------------- pass 1: read and validate, write nothing -------------
+    # finish: finished_req_ids | preempted_req_ids; unknown ids are ignored
+    nfreed = 0
+    if fin != 0:
+        nfreed, st = _free_ids(
+            fin, PH_FINISH, tb, tp, slots, mask, keys, kw, seed, hmask, allow, scr, O_FREE, O_RED, O_FREED, stamp, 0
+        )
+        if st != OK:
+            return st
+    if pre != 0:
+        nfreed, st = _free_ids(
+            pre,
+            PH_PREEMPT,
+            tb,
+            tp,
+            slots,
+            mask,
+            keys,
+            kw,
+            seed,
+            hmask,
+            allow,
+            scr,
+            O_FREE,
+            O_RED,
+            O_FREED,
+            stamp,
+            nfreed,
+        )
+        if st != OK:
+            return st
+
+    # new requests: a live id is removed first (re-sent request)
+    nn = 0
+    new_ptr = np.empty(0, np.int64)
+    new_len = np.empty(0, np.int64)
+    new_hash = np.empty(0, np.uint64)
+    new_tab = np.empty(0, np.int64)
+    ntab_mask = 0
+    i_new = 0
+    if new != 0:
+        i_new, nd, ok = _seq(new, tp)
+        if not ok or nd % NEW_STRIDE != 0:  # pragma: no cover - built by table.py
+            return _err(tb, E_NOT_CANONICAL, -1, 0, PH_NEW, FLD_NONE)
+        nn = nd // NEW_STRIDE
+        if nn > R:
+            return _err(tb, E_CAPACITY, -1, nn, PH_NEW, FLD_NONE)
+        new_ptr = np.empty(nn, np.int64)
+        new_len = np.empty(nn, np.int64)
+        new_hash = np.empty(nn, np.uint64)
+        new_tab, ntab_mask = _small_table(nn)
+        for k in range(nn):
+            d = k * NEW_STRIDE
+            ptr, klen, st = _key_of(_desc(i_new, d + N_KEY, tp), allow, tp)
+            if st != OK:
+                return _err(tb, st, k, 0, PH_NEW, FLD_REQ_ID)
+            if klen > max_key:
+                return _err(tb, E_ID_TOO_LONG, k, klen, PH_NEW, FLD_REQ_ID)
+            h = _hash_key(ptr, klen, seed, hmask)
+            j = _table_find(new_tab, ntab_mask, new_hash, new_ptr, new_len, h, ptr, klen)
+            if j >= 0:
+                return _err(tb, E_DUPLICATE, k, j, PH_NEW, FLD_REQ_ID)
+            _table_add(new_tab, ntab_mask, h, k)
+            new_ptr[k] = ptr
+            new_len[k] = klen
+            new_hash[k] = h
+            prior = -1
+            if klen > (kw - 1) * 8:
+                need_bytes = max(need_bytes, klen)
+            else:
+                prior = _probe(slots, mask, keys, kw, h, ptr, klen)
+            scr[O_PRIOR + k] = prior
+            if prior >= 0 and scr[O_FREE + prior] != stamp:
+                scr[O_FREE + prior] = stamp
+                scr[O_RED + prior] = -1
+                scr[O_FREED + nfreed] = prior
+                nfreed += 1
+            # payload (ints built by table.py from the request's attributes)
+            plen, st1 = _int_of(_item(i_new, d + N_PLEN), tp)
+            nct, st2 = _int_of(_item(i_new, d + N_NCT), tp)
+            mt, st3 = _int_of(_item(i_new, d + N_MAXT), tp)
+            tkind, st4 = _int_of(_item(i_new, d + N_TOK_KIND), tp)
+            taddr, st5 = _int_of(_item(i_new, d + N_TOK), tp)
+            tn, st6 = _int_of(_item(i_new, d + N_TOK_N), tp)
+            if st1 != OK:
+                return _err(tb, E_TOO_LONG, k, -1, PH_NEW, FLD_PROMPT_LEN)
+            if st2 != OK:
+                return _err(tb, E_NEW_NCT_RANGE, k, -1, PH_NEW, FLD_NCT)
+            if st3 != OK:
+                return _err(tb, E_MAX_TOKENS, k, -1, PH_NEW, FLD_MAX_TOKENS)
+            if st4 != OK or st5 != OK or st6 != OK:  # pragma: no cover - built by table.py
+                return _err(tb, E_NOT_CANONICAL, k, 0, PH_NEW, FLD_TOKENS)
+            vk, vb, npf, st = _vec(tkind, taddr, tn, tp, array_ok)
+            if st != OK:
+                return _err(tb, st, k, 0, PH_NEW, FLD_TOKENS)
+            if plen < 0 or plen > L or npf > L:
+                return _err(tb, E_TOO_LONG, k, max(plen, npf), PH_NEW, FLD_TOKENS if npf > L else FLD_PROMPT_LEN)
+            for t in range(npf):
+                v, st = _vget(vk, vb, t, tp)
+                if st == OK and (v < 0 or v > INT32_MAX):
+                    st = E_TOKEN_VALUE
+                if st != OK:
+                    return _err(tb, E_TOKEN_VALUE if st == E_INT_RANGE else st, k, t, PH_NEW, FLD_TOKENS)
+            if nct < 0 or nct > npf:
+                return _err(tb, E_NEW_NCT_RANGE, k, nct, PH_NEW, FLD_NCT)
+            if mt < 0 or plen + mt > INT32_MAX:
+                return _err(tb, E_MAX_TOKENS, k, mt, PH_NEW, FLD_MAX_TOKENS)
+            b_items, b_n, ok = _seq(_desc(i_new, d + N_BLK, tp), tp)
+            if not ok:
+                return _err(tb, E_NOT_CANONICAL, k, 0, PH_NEW, FLD_BLOCKS)
+            if b_n != ng:
+                return _err(tb, E_GROUPS, k, b_n, PH_NEW, FLD_BLOCKS)
+            nstage += F_NB + ng
+            if flat_tok >= 0:
+                nstage += npf
+            for g in range(ng):
+                c, st = _check_int31_list(_item(b_items, g), tp, E_BLOCK_VALUE)
+                if st != OK:
+                    return _err(tb, st, k, g, PH_NEW, FLD_BLOCKS)
+                if c > bt_w[g]:
+                    return _err(tb, E_BLOCK_OVERFLOW, k, g, PH_NEW, FLD_BLOCKS)
+                scr[O_NB + g * R + k] = c
+                nstage += c
+        # rows: the lowest free rows (freed by this step included), in order
+        cursor = ix[IX_FREE_HINT]
+        for f in range(nfreed):
+            cursor = min(cursor, scr[O_FREED + f])
+        for k in range(nn):
+            while cursor < R and not (key_len[cursor] < 0 or scr[O_FREE + cursor] == stamp):
+                cursor += 1
+            if cursor >= R:
+                return _err(tb, E_CAPACITY, k, nn, PH_NEW, FLD_NONE)
+            scr[O_NEWROW + k] = cursor
+            scr[O_NEW + cursor] = stamp
+            scr[O_NEWPOS + cursor] = k
+            cursor += 1
+        for k in range(nn):
+            prior = scr[O_PRIOR + k]
+            if prior >= 0:
+                scr[O_RED + prior] = scr[O_NEWROW + k]
+
+    # resumed ids (older schedulers): their new blocks replace the row's
+    nres = 0
+    res_ptr = np.empty(0, np.int64)
+    res_len = np.empty(0, np.int64)
+    res_hash = np.empty(0, np.uint64)
+    res_tab = np.empty(0, np.int64)
+    rtab_mask = 0
+    if cres != 0:
+        i_res, nres, ok = _seq(cres, tp)
+        if not ok:
+            return _err(tb, E_NOT_CANONICAL, -1, 0, PH_RESUMED, FLD_REQ_ID)
+        res_ptr = np.empty(nres, np.int64)
+        res_len = np.empty(nres, np.int64)
+        res_hash = np.empty(nres, np.uint64)
+        res_tab, rtab_mask = _small_table(nres)
+        for k in range(nres):
+            ptr, klen, st = _key_of(_item(i_res, k), allow, tp)
+            if st != OK:
+                return _err(tb, st, k, 0, PH_RESUMED, FLD_REQ_ID)
+            h = _hash_key(ptr, klen, seed, hmask)
+            res_ptr[k] = ptr
+            res_len[k] = klen
+            res_hash[k] = h
+            if _table_find(res_tab, rtab_mask, res_hash, res_ptr, res_len, h, ptr, klen) < 0:
+                _table_add(res_tab, rtab_mask, h, k)
+
+    # cached requests: predicted from the previous update's order, verified
+    nc = 0
+    i_cid = 0
+    i_cblk = 0
+    hits = 0
+    nmiss = 0
+    if cid != 0:
+        i_cid, nc, ok = _seq(cid, tp)
+        if not ok:
+            return _err(tb, E_NOT_CANONICAL, -1, 0, PH_CACHED, FLD_REQ_ID)
+        vk, vb, n1, st1 = _vec(cnct_kind, cnct, cnct_n, tp, array_ok)
+        if st1 != OK:
+            return _err(tb, st1, -1, 0, PH_CACHED, FLD_NCT)
+        i_cblk, n2, ok2 = _seq(cblk, tp)
+        if not ok2:
+            return _err(tb, E_NOT_CANONICAL, -1, 0, PH_CACHED, FLD_BLOCKS)
+        if n1 != nc:
+            return _err(tb, E_LENGTHS, -1, n1, PH_CACHED, FLD_NCT)
+        if n2 != nc:
+            return _err(tb, E_LENGTHS, -1, n2, PH_CACHED, FLD_BLOCKS)
+        if nc > R:
+            return _err(tb, E_DUPLICATE, -1, nc, PH_CACHED, FLD_REQ_ID)
+        none = tp[5]
+        j = 0
+        for i in range(nc):
+            obj = _item(i_cid, i)
+            row = ld32(a_prev_row, j) if j < prev_n and ld64(a_prev_obj, j) == obj else -1
+            st = OK
+            h = np.uint64(0)
+            ptr = 0
+            klen = 0
+            if row >= 0:
+                hits += 1
+                j += 1
+            else:
+                st32(a_scr, S_MISS * R + nmiss, i)
+                nmiss += 1
+                row, j, st, h, ptr, klen = _predict_miss(
+                    obj, j, prev_n, a_prev_row, a_rpp, slots, mask, keys, kw, seed, hmask, allow, tp
+                )
+            if st != OK:
+                return _err(tb, st, i, 0, PH_CACHED, FLD_REQ_ID)
+            via_new = False
+            if row < 0 and nn > 0:
+                # not live before this step: maybe added by it
+                k = _table_find(new_tab, ntab_mask, new_hash, new_ptr, new_len, h, ptr, klen)
+                if k >= 0:
+                    row = scr[O_NEWROW + k]
+                    via_new = True
+            if row < 0:
+                return _err(tb, E_UNKNOWN, i, 0, PH_CACHED, FLD_REQ_ID)
+            if nfreed > 0 and not via_new and ld32(a_scr, O_FREE + row) == stamp:
+                row = ld32(a_scr, O_RED + row)
+                if row < 0:
+                    return _err(tb, E_UNKNOWN, i, 1, PH_CACHED, FLD_REQ_ID)
+            if nn > 0 and ld32(a_scr, O_NEW + row) == stamp:
+                tb[TB_STG_DUPS] = 1
+            if ld32(a_scr, O_SEEN + row) == stamp:
+                return _err(tb, E_DUPLICATE, i, 0, PH_CACHED, FLD_REQ_ID)
+            st32(a_scr, O_SEEN + row, stamp)
+            v, st = _vget(vk, vb, i, tp)
+            if st != OK:
+                return _err(tb, E_NCT_RANGE if st == E_INT_RANGE else st, i, 0, PH_CACHED, FLD_NCT)
+            if v < 0 or v > L:
+                return _err(tb, E_NCT_RANGE, i, v, PH_CACHED, FLD_NCT)
+            st32(a_scr, O_ROWS + i, row)
+            st32(a_scr, O_NCT + i, v)
+            nstage += 2
+            b = _item(i_cblk, i)
+            st32(a_scr, O_FLAGS + i, 0)
+            if b != none:
+                b_items, b_n, ok = _seq(b, tp)
+                if not ok:
+                    return _err(tb, E_NOT_CANONICAL, i, 0, PH_CACHED, FLD_BLOCKS)
+                if b_n != ng:
+                    return _err(tb, E_GROUPS, i, b_n, PH_CACHED, FLD_BLOCKS)
+                resumed = False
+                if nres > 0:
+                    if ptr == 0:  # an identity hit: its bytes are needed for the lookup
+                        ptr, klen, st = _key_of(obj, allow, tp)
+                    h = _hash_key(ptr, klen, seed, hmask)  # (a prediction hit computed none)
+                    resumed = _table_find(res_tab, rtab_mask, res_hash, res_ptr, res_len, h, ptr, klen) >= 0
+                if resumed:
+                    st32(a_scr, O_FLAGS + i, 1)
+                for g in range(ng):
+                    c, st = _check_int31_list(_item(b_items, g), tp, E_BLOCK_VALUE)
+                    if st != OK:
+                        return _err(tb, st, i, g, PH_CACHED, FLD_BLOCKS)
+                    base = 0
+                    if not resumed:
+                        if nn > 0 and ld32(a_scr, O_NEW + row) == stamp:
+                            base = ld32(a_scr, O_NB + g * R + ld32(a_scr, O_NEWPOS + row))
+                        else:
+                            base = ld32(a_state, (F_NB + g) * R + row)
+                    if base + c > bt_w[g]:
+                        return _err(tb, E_BLOCK_OVERFLOW, i, g, PH_CACHED, FLD_BLOCKS)
+                    nstage += 1 + c
+                    if c > 0:
+                        prefetch(bt_addr[g] + 4 * (np.int64(row) * bt_w[g] + base))
+    if need_bytes > 0:
+        return _err(tb, E_KEY_TOO_LONG, -1, need_bytes, PH_NEW, FLD_REQ_ID)
+    if staging and nstage > stg_cap:
+        return _err(tb, E_STAGE_FULL, -1, nstage, 0, FLD_NONE)
+
+    # ---------------- pass 2: apply ----------------------------------------
+    ns = 0
+    # freed rows, ascending: the result's order, and the order they are freed in
+    freed = res[2 * R : 2 * R + nfreed]
+    for f in range(nfreed):
+        freed[f] = scr[O_FREED + f]
+    freed.sort()
+    for f in range(nfreed):
+        r = freed[f]
+        _ix_free_row(ix, slots, row_hash, key_len, r)
+        pp = ld32(a_rpp, r)
+        if 0 <= pp < prev_n and ld32(a_prev_row, pp) == r:
+            st32(a_prev_row, pp, -1)
+    for k in range(nn):
+        d = k * NEW_STRIDE
+        r = scr[O_NEWROW + k]
+        res[nc + k] = r
+        _write_key(keys, kw, key_len, row_hash, r, new_ptr[k], new_len[k], new_hash[k])
+        _slot_insert(slots, mask, new_hash[k], r)
+        ix[IX_NUM_LIVE] += 1
+        plen, st = _int_of(_item(i_new, d + N_PLEN), tp)
+        nct, st = _int_of(_item(i_new, d + N_NCT), tp)
+        mt, st = _int_of(_item(i_new, d + N_MAXT), tp)
+        tkind, st = _int_of(_item(i_new, d + N_TOK_KIND), tp)
+        taddr, st = _int_of(_item(i_new, d + N_TOK), tp)
+        tn, st = _int_of(_item(i_new, d + N_TOK_N), tp)
+        vk, vb, npf, st = _vec(tkind, taddr, tn, tp, array_ok)
+        tbase = np.int64(r) * L
+        if vk == V_I32:  # int32 tokens (vLLM's TokenBuffer): a plain copy
+            for t in range(npf):
+                st32(tb[TB_TOK], tbase + t, ld32(vb, t))
+        else:
+            for t in range(npf):
+                v, st = _vget(vk, vb, t, tp)
+                tok[tbase + t] = v
+        if staging and flat_tok >= 0:
+            for t in range(npf):
+                stg_pos[ns] = flat_tok + tbase + t
+                stg_val[ns] = tok[tbase + t]
+                ns += 1
+        state[F_NCT * R + r] = nct
+        state[F_NCPT * R + r] = min(nct, npf)
+        state[F_PREFILL * R + r] = npf
+        state[F_PROMPT * R + r] = plen
+        state[F_MAXSEQ * R + r] = plen + mt
+        b_items, b_n, ok = _seq(_desc(i_new, d + N_BLK, tp), tp)
+        for g in range(ng):
+            c = scr[O_NB + g * R + k]
+            state[(F_NB + g) * R + r] = c
+            ns = _write_group(
+                _item(b_items, g), tp, bt_addr[g], bt_w[g], r, 0, staging, a_stg_pos, a_stg_val, ns, flat_bt[g]
+            )
+        if staging:
+            for f in range(F_NB + ng):
+                stg_pos[ns] = f * R + r
+                stg_val[ns] = state[f * R + r]
+                ns += 1
+    # (freeing lowered the free-row hint; rows below it are still all live)
+    if cid != 0:
+        none = tp[5]
+        for i in range(nc):
+            r = ld32(a_scr, O_ROWS + i)
+            v = ld32(a_scr, O_NCT + i)
+            res[i] = r
+            ns = _put(a_state, F_NCT * R + r, v, staging, a_stg_pos, a_stg_val, ns)
+            m = min(v, ld32(a_state, F_PREFILL * R + r))
+            ns = _put(a_state, F_NCPT * R + r, m, staging, a_stg_pos, a_stg_val, ns)
+            b = _item(i_cblk, i)
+            if b != none:
+                resumed = ld32(a_scr, O_FLAGS + i) == 1
+                b_items, b_n, ok = _seq(b, tp)
+                for g in range(ng):
+                    nbpos = (F_NB + g) * R + r
+                    start = 0 if resumed else ld32(a_state, nbpos)
+                    gi, c, ok = _seq(_item(b_items, g), tp)
+                    ns = _write_group(
+                        _item(b_items, g),
+                        tp,
+                        bt_addr[g],
+                        bt_w[g],
+                        r,
+                        start,
+                        staging,
+                        a_stg_pos,
+                        a_stg_val,
+                        ns,
+                        flat_bt[g],
+                    )
+                    st32(a_state, nbpos, start + c)
+                    if staging:
+                        st64(a_stg_pos, ns, nbpos)
+                        st32(a_stg_val, ns, start + c)
+                        ns += 1
+            # remember this update's order and objects for the next prediction
+            # (row_prev_pos[r] is trusted only where prev_row points back at r)
+            st64(a_prev_obj_next, i, _owned_obj(_item(i_cid, i), tp))
+            st32(a_prev_row_next, i, r)
+            st32(a_rpp_next, r, i)
+        _commit_prediction(tb, a_scr, R, stamp, nc, hits, nmiss, a_prev_obj, prev_n, a_prev_obj_next)
+    tb[TB_RES_NC] = nc
+    tb[TB_RES_NN] = nn
+    tb[TB_RES_NF] = nfreed
     tb[TB_STG_N] = ns
     return OK

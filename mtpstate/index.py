@@ -12,12 +12,13 @@ from __future__ import annotations
 
 import operator
 import os
+import threading
 from collections.abc import Iterable
 
 import numpy as np
 
 from mtpstate import _kernels as K
-from mtpstate._native import ASCII_DATA_OFFSET, PY_ADDRESSES
+from mtpstate._native import ARRAY_LAYOUT_OK, ASCII_DATA_OFFSET, PY_ADDRESSES
 from mtpstate.errors import (
     CapacityError,
     DuplicateRequestError,
@@ -64,6 +65,30 @@ def key_text(key) -> str:
     return key.decode("utf-8", "surrogatepass") if isinstance(key, bytes) else key
 
 
+class _CallGuard:
+    """Serializes the calls that run kernels on one index (and its table):
+    another thread waits; a call made from inside a call (a callback of the
+    caller's objects re-entering) raises instead of deadlocking or
+    interleaving with the call it interrupted."""
+
+    __slots__ = ("_lock", "_owner")
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._owner = None
+
+    def enter(self) -> None:
+        if not self._lock.acquire(False):
+            if self._owner == threading.get_ident():
+                raise StateError("re-entrant call: this table (or index) is already in a call on this thread")
+            self._lock.acquire()
+        self._owner = threading.get_ident()
+
+    def exit(self) -> None:
+        self._owner = None
+        self._lock.release()
+
+
 class RequestIndex:
     """Map str request ids to rows ``0..capacity-1``; every call is batched.
 
@@ -80,14 +105,23 @@ class RequestIndex:
         Seed of the key hash. Rows never depend on it; a random seed (the
         default) makes the probe sequence unpredictable to clients that pick
         their own request ids.
+    max_id_bytes : int
+        Longest id accepted, in UTF-8 bytes. Key storage grows on demand up
+        to ``capacity * max_id_bytes``; a longer id is refused on insert
+        and is never live.
     """
 
-    def __init__(self, capacity: int, *, seed: int | None = None, _hash_bits: int = 63):
+    def __init__(self, capacity: int, *, seed: int | None = None, max_id_bytes: int = 512, _hash_bits: int = 63):
         capacity = operator.index(capacity)
         if capacity <= 0:
             raise ValueError(f"capacity must be positive, got {capacity}")
         if not 0 <= _hash_bits <= 63:
             raise ValueError("_hash_bits must be in [0, 63]")
+        max_id_bytes = operator.index(max_id_bytes)
+        if max_id_bytes <= 0:
+            raise ValueError(f"max_id_bytes must be positive, got {max_id_bytes}")
+        self.max_id_bytes = max_id_bytes
+        self._guard = _CallGuard()
         if seed is None:
             seed = int.from_bytes(os.urandom(8), "little") & _HASH_BITS_ALL
         self._capacity = capacity
@@ -112,16 +146,20 @@ class RequestIndex:
         c[K.IX_HMASK] = (1 << _hash_bits) - 1
         c[K.IX_T_LIST : K.IX_FALSE + 1] = PY_ADDRESSES
         c[K.IX_ASCII_OFF] = ASCII_DATA_OFFSET
+        c[K.IX_MAX_KEY] = max_id_bytes
+        c[K.IX_ARRAY_OK] = int(ARRAY_LAYOUT_OK)
         self._ctx_addr = int(c.ctypes.data)
 
     # -- internals -------------------------------------------------------
 
     def _widen_keys(self, min_bytes: int) -> None:
-        """Grow the per-row key storage to hold ``min_bytes``-byte ids."""
+        """Grow the per-row key storage to hold ``min_bytes``-byte ids (at
+        most max_id_bytes: the kernels refuse longer ids first)."""
         kw = self._key_words
         new_kw = kw
         while (new_kw - 1) * 8 < min_bytes:
             new_kw *= 2
+        new_kw = min(new_kw, max(kw, (self.max_id_bytes + 7) // 8 + 1))
         keys = np.zeros((self._capacity, new_kw), np.uint64)
         keys[:, :kw] = self._keys.reshape(self._capacity, kw)
         self._keys = keys.reshape(-1)
@@ -132,6 +170,13 @@ class RequestIndex:
     def _run(self, kernel, ids, *args):
         """Launch ``kernel`` on ``ids``; on a type it does not take, retry once
         on the canonical form (the generic path)."""
+        self._guard.enter()
+        try:
+            return self._run_locked(kernel, ids, *args)
+        finally:
+            self._guard.exit()
+
+    def _run_locked(self, kernel, ids, *args):
         canonical = False
         try:
             while True:
@@ -156,9 +201,13 @@ class RequestIndex:
         if status == K.E_UNKNOWN:
             raise UnknownRequestError(rid)
         if status == K.E_LIVE:
-            raise DuplicateRequestError(f"request id {rid!r} is already live (row {self.find([rid])[0]})")
+            row = np.empty(1, np.int32)
+            self._run_locked(K.ix_find, [ids[pos]], row, False)  # (the caller holds the guard)
+            raise DuplicateRequestError(f"request id {rid!r} is already live (row {row[0]})")
         if status == K.E_DUPLICATE:
             raise DuplicateRequestError(f"request id {rid!r} appears twice in the batch (positions {arg} and {pos})")
+        if status == K.E_ID_TOO_LONG:
+            raise StateError(f"request id of {arg} bytes exceeds max_id_bytes={self.max_id_bytes}: {rid[:40]!r}...")
         if status == K.E_CAPACITY:
             raise CapacityError(
                 f"cannot insert {arg} ids: only {self._capacity - len(self)} of {self._capacity} rows are free"
@@ -219,8 +268,14 @@ class RequestIndex:
             req_ids = self._as_list(req_ids)
         out = np.empty(len(req_ids), np.int32)
         # the common case first: one kernel call, no retry machinery
-        if K.ix_find(self._ctx_addr, id(req_ids), out, True) != K.OK:
-            self._run(K.ix_find, req_ids, out, True)
+        guard = self._guard
+        guard.enter()
+        try:
+            if K.ix_find(self._ctx_addr, id(req_ids), out, True) == K.OK:
+                return out
+            self._run_locked(K.ix_find, req_ids, out, True)
+        finally:
+            guard.exit()
         return out
 
     def find(self, req_ids) -> np.ndarray:

@@ -157,6 +157,12 @@ class DeviceMirror:
             ctx[T.TB_STG_ON] = 1
         self.table._ctx[T.TB_STG_N] = 0
 
+    def abort_step(self):
+        """Close a step that will ship nothing (rejected, or already ended)."""
+        if self._open is not None:
+            self._open = None
+            self.table._ctx[T.TB_STG_ON] = 0
+
     def end_step(self, n: int, deduplicate: bool = False):
         """Ship the first ``n`` staged elements of the open slot and scatter
         them into the device tensors; returns without waiting."""

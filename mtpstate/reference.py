@@ -221,3 +221,53 @@ class LoopMirroredRequestTable(LoopRequestTable):
         )
         self._staged_starts.clear()
         self._staged_values.clear()
+
+
+class VllmLoopRequestTable(LoopRequestTable):
+    """What vLLM 0.34's Model Runner V2 host path does per step, as a loop:
+    finish (sorted ids, a LIFO free list), add, update, then the batch ->
+    row mapping of ``prepare_inputs`` (requests sorted by scheduled tokens,
+    decode first; one dict lookup each). ``apply`` returns that mapping.
+
+    Writes go straight into the host arrays (MRV2 stages them into Python
+    lists and flushes them with a copy and a kernel: a little more work
+    than this baseline does)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.free_rows = list(range(self.max_num_reqs - 1, -1, -1))  # LIFO: pop() gives row 0 first
+
+    def _remove(self, req_id):
+        row = self.req_id_to_index.pop(req_id, None)
+        if row is not None:
+            self.free_rows.append(row)
+
+    def add(self, new_reqs):
+        d = self.req_id_to_index
+        for req in new_reqs:
+            if req.req_id in d:  # re-sent: removed first
+                self._remove(req.req_id)
+            row = self.free_rows.pop()
+            d[req.req_id] = row
+            prompt = req.prompt_token_ids
+            tokens = req.prefill_token_ids if req.prefill_token_ids is not None else prompt
+            prompt_len = len(prompt) if prompt is not None else req.prompt_len
+            sp = req.sampling_params
+            max_tokens = sp.max_tokens if sp is not None and sp.max_tokens is not None else 1
+            self.prompt_len[row] = prompt_len
+            self.prefill_len[row] = len(tokens)
+            self.max_seq_len[row] = prompt_len + max_tokens
+            self.num_computed_tokens[row] = req.num_computed_tokens
+            self.num_computed_prefill_tokens[row] = min(req.num_computed_tokens, len(tokens))
+            self.token_ids[row, : len(tokens)] = tokens
+            self._append_blocks(row, req.block_ids, overwrite=True)
+
+    def apply(self, so):
+        fin = so.finished_req_ids
+        pre = so.preempted_req_ids
+        self.finish(sorted(fin | pre) if pre else sorted(fin))
+        self.add(so.scheduled_new_reqs)
+        self.update(so.scheduled_cached_reqs)
+        nst = so.num_scheduled_tokens
+        req_ids = sorted(nst, key=nst.get)  # decode first, then prefill
+        return np.fromiter(map(self.req_id_to_index.get, req_ids), dtype=np.int32, count=len(req_ids))

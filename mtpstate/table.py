@@ -9,6 +9,7 @@ host arrays (and appends the changes to the mirror's staging buffers) ->
 
 from __future__ import annotations
 
+import array
 import math
 import operator
 
@@ -16,6 +17,7 @@ import numpy as np
 
 from mtpstate import _kernels as K
 from mtpstate import _table_kernels as T
+from mtpstate._native import ARRAY_LAYOUT_OK
 from mtpstate.errors import (
     CapacityError,
     DuplicateRequestError,
@@ -33,32 +35,262 @@ def _as_int(x, what: str) -> int:
         raise InvalidStepError(f"{what} must be an int, got bool {x!r}")
     try:
         return operator.index(x)
-    except TypeError:
-        raise InvalidStepError(f"{what} must be an int, got {type(x).__name__} {x!r}") from None
+    except Exception:
+        raise InvalidStepError(f"{what} must be an int, got {type(x).__name__} {_short(x)}") from None
+
+
+def _short(x) -> str:
+    try:
+        r = repr(x)
+    except Exception:
+        return "<unprintable>"
+    return r if len(r) <= 60 else r[:57] + "..."
 
 
 def _int_list(seq, what: str) -> list:
     if isinstance(seq, np.ndarray):
-        if seq.dtype.kind not in "iu":
-            raise InvalidStepError(f"{what} must hold ints, got dtype {seq.dtype}")
+        if seq.dtype.kind not in "iu" or seq.ndim != 1:
+            raise InvalidStepError(f"{what} must be a 1-d sequence of ints, got a {seq.ndim}-d {seq.dtype} array")
         return seq.tolist()
-    if isinstance(seq, (str, bytes)) or not hasattr(seq, "__iter__"):
+    if seq is None or isinstance(seq, (str, bytes)) or not hasattr(seq, "__iter__"):
         raise InvalidStepError(f"{what} must be a sequence of ints, got {type(seq).__name__}")
-    return [_as_int(x, what) for x in seq]
+    try:
+        items = list(seq)
+    except StateError:
+        raise
+    except Exception as e:
+        raise InvalidStepError(f"{what}: iterating it failed: {e!r}") from None
+    return [_as_int(x, what) for x in items]
 
 
 def _blocks(b, what: str):
+    """One list of block ids per KV-cache group (canonical form)."""
     if b is None:
         return None
-    if isinstance(b, (str, bytes)) or not hasattr(b, "__iter__"):
+    if isinstance(b, (str, bytes, np.ndarray)) or not hasattr(b, "__iter__"):
         raise InvalidStepError(f"{what} must be a tuple with one list of block ids per KV-cache group")
-    return tuple(_int_list(g, what) for g in b)
+    try:
+        groups = list(b)
+    except Exception as e:
+        raise InvalidStepError(f"{what}: iterating it failed: {e!r}") from None
+    return tuple(_int_list(g, what) for g in groups)
 
 
-def _ids_list(x, what: str):
+def _collection(x, what: str, keep: list):
+    """A collection given by the scheduler (ids, per-request values) as an
+    exact list or tuple the kernel can read in place; anything else is
+    materialized here, once (a generator is consumed exactly once)."""
+    t = type(x)
+    if t is list or t is tuple:
+        return x
     if x is None:
-        return []
-    return canonical_ids(x, what)
+        raise InvalidStepError(f"{what} is None")
+    if isinstance(x, (str, bytes)):
+        raise InvalidStepError(f"{what} must be a collection, got a single {t.__name__} {_short(x)}")
+    if isinstance(x, np.ndarray):
+        if x.ndim != 1:
+            raise InvalidStepError(f"{what} must be 1-d, got a {x.ndim}-d array")
+        x = x.tolist()
+    else:
+        try:
+            x = list(x)
+        except StateError:
+            raise
+        except Exception:
+            raise InvalidStepError(f"{what} must be a collection, got {t.__name__} {_short(x)}") from None
+    keep.append(x)
+    return x
+
+
+_NP_KINDS = {("i", 4): K.V_I32, ("i", 8): K.V_I64, ("u", 4): K.V_U32, ("u", 8): K.V_U64}
+_ARRAY_CODES = frozenset("ilqILQ")
+_BUF_SIGNED = {"i": True, "l": True, "q": True, "I": False, "L": False, "Q": False}
+
+
+def _int_vector(x, keep: list):
+    """(kind, address, length) of an int sequence the kernel reads in place
+    (list, tuple, array.array, a 1-d C-contiguous numpy array or buffer of
+    4- or 8-byte ints), or None when it needs the Python conversion."""
+    t = type(x)
+    if t is list or t is tuple:
+        return K.V_OBJ, id(x), 0
+    if isinstance(x, array.array):
+        if ARRAY_LAYOUT_OK and x.typecode in _ARRAY_CODES:
+            return K.V_ARRAY, id(x), 0  # layout read by the kernel, under the GIL
+        return None
+    if isinstance(x, np.ndarray):
+        kind = _NP_KINDS.get((x.dtype.kind, x.dtype.itemsize))
+        if kind is None or x.ndim != 1 or not x.flags.c_contiguous or not x.dtype.isnative:
+            return None
+        # holding the array keeps its data: numpy refuses to resize a
+        # referenced array
+        keep.append(x)
+        return kind, x.__array_interface__["data"][0], len(x)
+    try:
+        m = memoryview(x)
+    except Exception:
+        return None
+    fmt = m.format.lstrip("@=")
+    if m.ndim != 1 or not m.c_contiguous or fmt not in _BUF_SIGNED or m.itemsize not in (4, 8):
+        m.release()
+        return None
+    kind = _NP_KINDS[("i" if _BUF_SIGNED[fmt] else "u", m.itemsize)]
+    # the export held by the memoryview keeps the exporter from resizing
+    arr = np.frombuffer(m, dtype=np.uint8)
+    keep.append((m, arr))
+    return kind, (arr.__array_interface__["data"][0] if len(arr) else 0), len(m)
+
+
+class _NewRequest:
+    """The attributes of one new request, each read once."""
+
+    __slots__ = ("req_id", "prompt_len", "tokens", "block_ids", "num_computed_tokens", "max_tokens")
+
+    def __init__(self, req_id, prompt_len, tokens, block_ids, num_computed_tokens, max_tokens):
+        self.req_id = req_id
+        self.prompt_len = prompt_len
+        self.tokens = tokens
+        self.block_ids = block_ids
+        self.num_computed_tokens = num_computed_tokens
+        self.max_tokens = max_tokens
+
+
+def _read_new_request(r, k: int) -> _NewRequest:
+    """Bind one NewRequestData: read each attribute once, check the types
+    that cannot be checked by the kernel, leave ranges to the kernel."""
+    who = f"new request #{k}"
+    try:
+        rid = r.req_id
+    except Exception as e:
+        raise InvalidStepError(f"{who}: req_id: {e!r}") from None
+    if not isinstance(rid, str):
+        raise InvalidStepError(f"{who}: req_id must be str, got {type(rid).__name__} {_short(rid)}")
+    who = f"new request {rid!r}"
+    try:
+        prompt = r.prompt_token_ids
+        tokens = getattr(r, "prefill_token_ids", None)
+        blocks = r.block_ids
+        nct = r.num_computed_tokens
+        sp = r.sampling_params
+        max_tokens = sp.max_tokens if sp is not None else None
+    except Exception as e:
+        raise InvalidStepError(f"{who}: {e!r}") from None
+    if prompt is not None and not hasattr(prompt, "__len__"):
+        prompt = _int_list(prompt, f"{who}: prompt_token_ids")  # a generator: read it once
+    if tokens is None:
+        tokens = prompt
+    elif not hasattr(tokens, "__len__"):
+        tokens = _int_list(tokens, f"{who}: prefill_token_ids")
+    if tokens is None:
+        raise InvalidStepError(f"{who}: prefill_token_ids and prompt_token_ids are both None")
+    if prompt is not None:
+        try:
+            prompt_len = len(prompt)
+        except Exception as e:
+            raise InvalidStepError(f"{who}: prompt_token_ids: {e!r}") from None
+    else:  # prompt embeddings: the length comes from the request
+        try:
+            prompt_len = r.prompt_len
+        except Exception as e:
+            raise InvalidStepError(f"{who}: prompt_len: {e!r}") from None
+    if blocks is None:
+        raise InvalidStepError(f"{who}: block_ids is None")
+    t = type(blocks)
+    if not ((t is tuple or t is list) and all(type(g) is list or type(g) is tuple for g in blocks)):
+        blocks = _blocks(blocks, f"{who}: block_ids")
+    return _NewRequest(
+        rid,
+        _as_int(prompt_len, f"{who}: prompt_len"),
+        tokens,
+        blocks,
+        _as_int(nct, f"{who}: num_computed_tokens"),
+        1 if max_tokens is None else _as_int(max_tokens, f"{who}: sampling_params.max_tokens"),
+    )
+
+
+class StepResult:
+    """The rows of the step just applied, for the engine's next moves.
+
+    Every attribute is a view of an array the table preallocates: valid
+    until the next call that changes the table (``apply``, ``finish``,
+    ``add``, ``update``), accepted or not. Copy what must outlive it.
+
+    Attributes
+    ----------
+    cached_rows : np.ndarray[int32]
+        Rows of ``scheduled_cached_reqs.req_ids``, in their order.
+    new_rows : np.ndarray[int32]
+        Rows assigned to ``scheduled_new_reqs``, in their order.
+    rows : np.ndarray[int32]
+        ``cached_rows`` followed by ``new_rows`` (one array): the batch in
+        the scheduler's order, ready for a gather into the engine's order.
+    freed_rows : np.ndarray[int32]
+        Rows freed by the step (finished, preempted, and live rows of
+        re-sent new requests), ascending: the order they were freed in.
+    """
+
+    __slots__ = ("_res", "_ctx", "_R")
+
+    def __init__(self, res, ctx, R):
+        self._res = res
+        self._ctx = ctx
+        self._R = R
+
+    @property
+    def cached_rows(self) -> np.ndarray:
+        return self._res[: self._ctx[T.TB_RES_NC]]
+
+    @property
+    def new_rows(self) -> np.ndarray:
+        nc = self._ctx[T.TB_RES_NC]
+        return self._res[nc : nc + self._ctx[T.TB_RES_NN]]
+
+    @property
+    def rows(self) -> np.ndarray:
+        return self._res[: self._ctx[T.TB_RES_NC] + self._ctx[T.TB_RES_NN]]
+
+    @property
+    def freed_rows(self) -> np.ndarray:
+        R2 = 2 * self._R
+        return self._res[R2 : R2 + self._ctx[T.TB_RES_NF]]
+
+    def __repr__(self) -> str:
+        return (
+            f"StepResult(cached_rows={self.cached_rows.tolist()}, new_rows={self.new_rows.tolist()}, "
+            f"freed_rows={self.freed_rows.tolist()})"
+        )
+
+
+_FIELD_NAMES = {
+    K.FLD_NONE: "",
+    K.FLD_REQ_ID: "req_id",
+    K.FLD_PROMPT_LEN: "prompt_len",
+    K.FLD_TOKENS: "prefill_token_ids",
+    K.FLD_NCT: "num_computed_tokens",
+    K.FLD_MAX_TOKENS: "sampling_params.max_tokens",
+    K.FLD_BLOCKS: "block_ids",
+}
+_PHASE_NAMES = {
+    K.PH_FINISH: "finished request",
+    K.PH_PREEMPT: "preempted request",
+    K.PH_NEW: "new request",
+    K.PH_CACHED: "cached request",
+    K.PH_RESUMED: "resumed request",
+}
+
+
+class _Step:
+    """One step's inputs, bound: every attribute read once, every object the
+    kernel will dereference held here for the whole call."""
+
+    __slots__ = ("fin", "pre", "new", "cid", "cnct", "cblk", "cres", "keep", "desc", "vec")
+
+    def __init__(self):
+        self.fin = self.pre = self.cid = self.cnct = self.cblk = self.cres = None
+        self.new = ()
+        self.keep = []
+        self.desc = None
+        self.vec = None
 
 
 class RequestTable:
@@ -84,6 +316,10 @@ class RequestTable:
         ``token_ids_on_device``).
     seed : int, optional
         Hash seed of the request index (rows never depend on it).
+    max_id_bytes : int
+        Longest request id accepted, in UTF-8 bytes (default 512). Ids can
+        come from clients: the bound keeps key storage proportional to
+        ``max_num_reqs``. A longer new id is refused with a StateError.
     prefault : bool
         Touch every page of the host arrays now (default), so that no step
         pays the kernel's page faults (zeroing a 2 MiB huge page takes
@@ -94,6 +330,10 @@ class RequestTable:
     The host arrays are the source of truth; the attributes below are views
     of them, valid for the table's lifetime. Rows are assigned lowest-free
     first, so tensor-parallel ranks fed the same steps agree.
+
+    Threads: calls that change the table are serialized by a lock (a second
+    thread waits); a call made from inside another (a scheduler object's
+    property that calls back into the table) raises StateError.
     """
 
     def __init__(
@@ -106,6 +346,7 @@ class RequestTable:
         device=None,
         mirror_options: dict | None = None,
         seed: int | None = None,
+        max_id_bytes: int = 512,
         prefault: bool = True,
         _hash_bits: int = 63,
     ):
@@ -128,7 +369,9 @@ class RequestTable:
         self.block_sizes = tuple(block_sizes)
         self.max_num_blocks_per_group = tuple(widths)
         self.num_groups = ng
-        self._index = RequestIndex(R, seed=seed, _hash_bits=_hash_bits)
+        self._index = RequestIndex(R, seed=seed, max_id_bytes=max_id_bytes, _hash_bits=_hash_bits)
+        self._guard = self._index._guard  # one lock for the index and the table
+        self._python_path_steps = 0
 
         # host state; the kernels see it through addresses in _ctx, so these
         # arrays must stay referenced (and never be reallocated) while the
@@ -144,6 +387,8 @@ class RequestTable:
         self._prev_row = np.full((2, R), -1, np.int32)
         self._row_prev_pos = np.full((2, R), -1, np.int32)
         self._scratch = np.zeros((T.num_scratch_rows(ng), R), np.int32)
+        # rows of the last step: cached then new at [0, 2R), freed at [2R, 3R)
+        self._res = np.zeros(3 * R, np.int32)
         self._mirror = None
         token_ids = None
         if device is not None:
@@ -172,6 +417,8 @@ class RequestTable:
         c[T.TB_SCR] = self._scratch.ctypes.data
         c[T.TB_FLAT_BT] = self._flat_bt.ctypes.data
         c[T.TB_FLAT_TOK] = -1
+        c[T.TB_RES] = self._res.ctypes.data
+        self._result = StepResult(self._res, c, R)
         # staging slots stay 0 (off, no buffer) unless a device mirror opens a step
         self._ix_addr = self._index._ctx_addr
         self._tb_addr = int(c.ctypes.data)
@@ -217,68 +464,152 @@ class RequestTable:
 
     # -- internals ---------------------------------------------------------
 
-    def _launch(self, args):
-        """Run the step kernel; handle the retry statuses; raise on bad input."""
-        canonical = False
-        while True:
-            status = T.tb_step(self._ix_addr, self._tb_addr, *(id(a) if a is not None else 0 for a in args))
-            if status == K.OK:
-                self._index._ctx[K.IX_ALLOW_BYTES] = 0
-                return args
-            if status == K.E_KEY_TOO_LONG:
-                self._index._widen_keys(int(self._ctx[T.TB_ERR_ARG]))
-                continue
-            if status == K.E_STAGE_FULL:
-                self._mirror.grow_staging(int(self._ctx[T.TB_ERR_ARG]))
-                continue
-            if status == K.E_NOT_CANONICAL and not canonical:
-                args = self._canonical(args)
-                canonical = True
-                self._index._ctx[K.IX_ALLOW_BYTES] = 1
-                continue
-            self._index._ctx[K.IX_ALLOW_BYTES] = 0
-            self._raise(status, args)
-
-    def _canonical(self, args):
-        """The generic path: every input as lists of exact str / int, or a
-        StateError naming what is wrong."""
-        fin, nid, nplen, npre, nblk, nnct, nmax, cid, cnct, cblk, cres = args
+    def _bind(self, fin, pre, new_reqs, cached) -> _Step:
+        """Read the step's inputs once into a _Step (see its docstring)."""
+        b = _Step()
+        keep = b.keep
         if fin is not None:
-            fin = _ids_list(fin, "finished request id")
-        if nid is not None:
-            nid = _ids_list(nid, "new request id")
-            nplen = [_as_int(x, f"prompt length of {r!r}") for r, x in zip(nid, nplen)]
-            npre = [_int_list(p, f"prefill token ids of {r!r}") for r, p in zip(nid, npre)]
-            nblk = [_blocks(b, f"block_ids of {r!r}") for r, b in zip(nid, nblk)]
-            for r, b in zip(nid, nblk):
-                if b is None:
-                    raise InvalidStepError(f"new request {key_text(r)!r}: block_ids is None")
-            nnct = [_as_int(x, f"num_computed_tokens of {r!r}") for r, x in zip(nid, nnct)]
-            nmax = [_as_int(x, f"max_tokens of {r!r}") for r, x in zip(nid, nmax)]
-        if cid is not None:
-            ids = _ids_list(cid, "cached request id")
-            cnct = _int_list(cnct, "num_computed_tokens")
-            cblk = list(cblk)
-            if not (len(ids) == len(cnct) == len(cblk)) or (cres is not None and len(cres) != len(ids)):
-                raise InvalidStepError(
-                    f"cached request lists differ in length: req_ids {len(ids)}, "
-                    f"num_computed_tokens {len(cnct)}, new_block_ids {len(cblk)}"
-                )
-            cnct = [_as_int(x, f"num_computed_tokens of {r!r}") for r, x in zip(ids, cnct)]
-            cblk = [_blocks(b, f"new_block_ids of {r!r}") for r, b in zip(ids, cblk)]
-            if cres is not None:
-                cres = [bool(x) for x in cres]
-            cid = ids
-        return fin, nid, nplen, npre, nblk, nnct, nmax, cid, cnct, cblk, cres
+            b.fin = _collection(fin, "finished_req_ids", keep) or None
+        if pre is not None:
+            b.pre = _collection(pre, "preempted_req_ids", keep) or None
+        if new_reqs is not None:
+            new_reqs = _collection(new_reqs, "scheduled_new_reqs", keep)
+            if new_reqs:
+                b.new = [_read_new_request(r, k) for k, r in enumerate(new_reqs)]
+        if cached is not None:
+            try:
+                cid = cached.req_ids
+            except Exception as e:
+                raise InvalidStepError(f"scheduled_cached_reqs.req_ids: {e!r}") from None
+            cid = _collection(cid, "scheduled_cached_reqs.req_ids", keep)
+            if cid:
+                try:
+                    cnct = cached.num_computed_tokens
+                    cblk = cached.new_block_ids
+                    cres = getattr(cached, "resumed_req_ids", None)
+                except Exception as e:
+                    raise InvalidStepError(f"scheduled_cached_reqs: {e!r}") from None
+                if cnct is None:
+                    raise InvalidStepError("scheduled_cached_reqs.num_computed_tokens is None")
+                vec = _int_vector(cnct, keep)
+                if vec is None:
+                    cnct = _collection(cnct, "scheduled_cached_reqs.num_computed_tokens", keep)
+                    vec = (K.V_OBJ, id(cnct), 0)
+                b.cid = cid
+                b.cnct = cnct
+                b.vec = vec
+                b.cblk = _collection(cblk, "scheduled_cached_reqs.new_block_ids", keep)
+                if cres is not None:
+                    b.cres = _collection(cres, "scheduled_cached_reqs.resumed_req_ids", keep) or None
+        return b
 
-    def _raise(self, status: int, args) -> None:
-        pos = int(self._ctx[T.TB_ERR_POS])
-        arg = int(self._ctx[T.TB_ERR_ARG])
-        phase = int(self._ctx[T.TB_ERR_PHASE])
-        fin, nid, nplen, npre, nblk, nnct, nmax, cid, cnct, cblk, cres = args
-        ids = {K.PH_FINISH: fin, K.PH_NEW: nid, K.PH_CACHED: cid}[phase]
+    def _describe_new(self, b: _Step) -> None:
+        """The flat list of new-request descriptors the kernel reads."""
+        desc = []
+        keep = b.keep
+        for r in b.new:
+            vec = _int_vector(r.tokens, keep)
+            if vec is None:  # exotic token container: converted here
+                r.tokens = _int_list(r.tokens, f"new request {r.req_id!r}: prefill_token_ids")
+                vec = (K.V_OBJ, id(r.tokens), 0)
+            desc += (id(r.req_id), r.prompt_len, r.num_computed_tokens, r.max_tokens, *vec, id(r.block_ids))
+        b.desc = desc
+
+    def _canonicalize(self, b: _Step) -> None:
+        """The generic path: every input as lists of exact str / int (bytes
+        for ids with no UTF-8 form), or a StateError naming what is wrong.
+        Works on the bound values: nothing is read from the scheduler again."""
+        self._python_path_steps += 1
+        keep = b.keep
+        if b.fin is not None:
+            b.fin = canonical_ids(b.fin, "finished request id")
+        if b.pre is not None:
+            b.pre = canonical_ids(b.pre, "preempted request id")
+        for r in b.new:
+            (r.req_id,) = canonical_ids([r.req_id], "new request id")
+            who = f"new request {key_text(r.req_id)!r}"
+            r.tokens = _int_list(r.tokens, f"{who}: prefill_token_ids")
+            r.block_ids = _blocks(r.block_ids, f"{who}: block_ids")
+        if b.cres is not None:
+            b.cres = canonical_ids(b.cres, "resumed request id")
+        if b.cid is not None:
+            ids = canonical_ids(b.cid, "cached request id")
+            n = len(ids)
+            cnct = _int_list(b.cnct, "scheduled_cached_reqs.num_computed_tokens")
+            if len(cnct) != n or len(b.cblk) != n:
+                raise InvalidStepError(
+                    f"cached request lists differ in length: req_ids {n}, "
+                    f"num_computed_tokens {len(cnct)}, new_block_ids {len(b.cblk)}"
+                )
+            b.cblk = [_blocks(x, f"cached request {key_text(r)!r}: new_block_ids") for r, x in zip(ids, b.cblk)]
+            b.cid = ids
+            b.cnct = cnct
+            b.vec = (K.V_OBJ, id(cnct), 0)
+        keep.append((b.fin, b.pre, b.cid, b.cnct, b.cblk, b.cres))
+        self._describe_new(b)
+
+    def _launch(self, b: _Step) -> None:
+        """Run the step kernel on a bound step; handle the retry statuses
+        (grow key storage or staging, the generic path); raise on bad input.
+        The caller holds the call guard."""
+        self._describe_new(b)
+        canonical = False
+        mirror = self._mirror
+        ixc = self._index._ctx
+        try:
+            while True:
+                if mirror is not None:
+                    mirror.begin_step()
+                kind, addr, n = b.vec if b.vec is not None else (0, 0, 0)
+                status = T.tb_apply(
+                    self._ix_addr,
+                    self._tb_addr,
+                    id(b.fin) if b.fin is not None else 0,
+                    id(b.pre) if b.pre is not None else 0,
+                    id(b.desc) if b.desc else 0,
+                    id(b.cid) if b.cid is not None else 0,
+                    kind,
+                    addr,
+                    n,
+                    id(b.cblk) if b.cblk is not None else 0,
+                    id(b.cres) if b.cres is not None else 0,
+                )
+                if status == K.OK:
+                    if mirror is not None:
+                        mirror.end_step(int(self._ctx[T.TB_STG_N]), deduplicate=bool(self._ctx[T.TB_STG_DUPS]))
+                    return
+                if status == K.E_KEY_TOO_LONG:
+                    self._index._widen_keys(int(self._ctx[T.TB_ERR_ARG]))
+                    continue
+                if status == K.E_STAGE_FULL:
+                    mirror.grow_staging(int(self._ctx[T.TB_ERR_ARG]))
+                    continue
+                if status == K.E_NOT_CANONICAL and not canonical:
+                    self._canonicalize(b)
+                    canonical = True
+                    ixc[K.IX_ALLOW_BYTES] = 1
+                    continue
+                self._raise(status, b)
+        finally:
+            ixc[K.IX_ALLOW_BYTES] = 0
+            if mirror is not None:
+                mirror.abort_step()
+
+    def _raise(self, status: int, b: _Step) -> None:
+        ctx = self._ctx
+        pos, arg = int(ctx[T.TB_ERR_POS]), int(ctx[T.TB_ERR_ARG])
+        phase, field = int(ctx[T.TB_ERR_PHASE]), int(ctx[T.TB_ERR_FIELD])
+        if phase == K.PH_NEW:
+            ids = [r.req_id for r in b.new]
+        else:
+            ids = {K.PH_FINISH: b.fin, K.PH_PREEMPT: b.pre, K.PH_CACHED: b.cid, K.PH_RESUMED: b.cres}.get(phase)
         rid = key_text(ids[pos]) if (ids is not None and 0 <= pos < len(ids)) else None
-        who = f"{'new' if phase == K.PH_NEW else 'cached'} request {rid!r}"
+        fname = _FIELD_NAMES.get(field, "")
+        if phase == K.PH_CACHED and field == K.FLD_BLOCKS:
+            fname = "new_block_ids"
+        what = _PHASE_NAMES.get(phase, "request")
+        who = f"{what} {rid!r}" if rid is not None else f"{what}s"
+        at = f"{who}, field {fname}" if fname else who
         L = self.max_model_len
         if status == K.E_UNKNOWN:
             raise UnknownRequestError(rid, "finished or preempted in this step" if arg else "not live")
@@ -292,155 +623,92 @@ class RequestTable:
             free = self.max_num_reqs - len(self._index)
             raise CapacityError(f"{arg} new requests but only {free} free rows (+ rows freed by this step)")
         if status == K.E_LENGTHS:
-            raise InvalidStepError("the per-request lists of the step differ in length")
+            raise InvalidStepError(f"scheduled_cached_reqs: {fname} has {arg} entries, req_ids has {len(b.cid)}")
+        if status == K.E_ID_TOO_LONG:
+            raise InvalidStepError(
+                f"{what} id of {arg} bytes exceeds max_id_bytes={self._index.max_id_bytes}: {_short(rid)}"
+            )
         if status == K.E_NCT_RANGE:
-            raise InvalidStepError(f"{who}: num_computed_tokens={arg} outside [0, max_model_len={L}]")
+            value = f"={arg}" if arg else " (out of int64 range)"
+            raise InvalidStepError(f"{at}: num_computed_tokens{value} outside [0, max_model_len={L}]")
         if status == K.E_NEW_NCT_RANGE:
-            raise InvalidStepError(f"{who}: num_computed_tokens={arg} outside [0, prefill_len={len(npre[pos])}]")
+            value = f"={arg}" if arg != -1 else " (out of int64 range)"
+            raise InvalidStepError(f"{at}: num_computed_tokens{value} outside [0, prefill length]")
         if status == K.E_TOO_LONG:
-            raise InvalidStepError(f"{who}: prompt/prefill length {arg} exceeds max_model_len={L}")
+            value = f"{arg}" if arg >= 0 else "out of range"
+            raise InvalidStepError(f"{at}: length {value} outside [0, max_model_len={L}]")
         if status == K.E_MAX_TOKENS:
-            raise InvalidStepError(f"{who}: max_tokens={arg} is negative or overflows int32")
+            raise InvalidStepError(f"{at}: max_tokens is negative or prompt_len + max_tokens overflows int32")
         if status == K.E_TOKEN_VALUE:
-            raise InvalidStepError(f"{who}: token ids must be ints in [0, 2**31)")
+            raise InvalidStepError(f"{at}: token ids must be ints in [0, 2**31) (token #{arg})")
         if status == K.E_GROUPS:
-            raise InvalidStepError(f"{who}: block ids for {arg} KV-cache groups, the table has {self.num_groups}")
+            raise InvalidStepError(f"{at}: block ids for {arg} KV-cache groups, the table has {self.num_groups}")
         if status == K.E_BLOCK_OVERFLOW:
             raise InvalidStepError(
-                f"{who}: block table of group {arg} overflows its {self.max_num_blocks_per_group[arg]} blocks"
+                f"{at}: block table of group {arg} overflows its {self.max_num_blocks_per_group[arg]} blocks"
             )
         if status == K.E_BLOCK_VALUE:
-            raise InvalidStepError(f"{who}: block ids of group {arg} must be ints in [0, 2**31)")
-        raise StateError(f"internal error: kernel status {status} in phase {phase} at {pos}")  # pragma: no cover
+            raise InvalidStepError(f"{at}: block ids of group {arg} must be ints in [0, 2**31)")
+        if status == K.E_NOT_CANONICAL:
+            raise InvalidStepError(f"{at}: unsupported value")
+        raise StateError(f"internal error: kernel status {status} at {at} (position {pos})")  # pragma: no cover
 
-    @staticmethod
-    def _gather_new(new_reqs):
-        nid, nplen, npre, nblk, nnct, nmax = [], [], [], [], [], []
-        for r in new_reqs:
-            nid.append(r.req_id)
-            prompt = r.prompt_token_ids
-            pre = getattr(r, "prefill_token_ids", None)
-            if pre is None:
-                pre = prompt
-            if pre is None:
-                raise InvalidStepError(f"new request {r.req_id!r} has neither prompt_token_ids nor prefill_token_ids")
-            nplen.append(len(prompt) if prompt is not None else r.prompt_len)
-            npre.append(pre)
-            nblk.append(r.block_ids)
-            nnct.append(r.num_computed_tokens)
-            sp = r.sampling_params
-            nmax.append(sp.max_tokens if sp is not None and sp.max_tokens is not None else 1)
-        return nid, nplen, npre, nblk, nnct, nmax
-
-    def _step(self, fin, new_reqs, cached):
-        nid = nplen = npre = nblk = nnct = nmax = None
-        if new_reqs:
-            nid, nplen, npre, nblk, nnct, nmax = self._gather_new(new_reqs)
-        cid = cnct = cblk = cres = None
-        if cached is not None:
-            cid = cached.req_ids
-            cnct = cached.num_computed_tokens
-            cblk = cached.new_block_ids
-            resumed = getattr(cached, "resumed_req_ids", None)
-            if resumed:
-                cres = [r in resumed for r in cid]
-        if self._mirror is not None:
-            self._mirror.begin_step()
-        self._launch((fin, nid, nplen, npre, nblk, nnct, nmax, cid, cnct, cblk, cres))
-        if self._mirror is not None:
-            self._mirror.end_step(int(self._ctx[T.TB_STG_N]), deduplicate=bool(self._ctx[T.TB_STG_DUPS]))
+    def _step(self, fin, pre, new_reqs, cached) -> StepResult:
+        guard = self._guard
+        guard.enter()
+        try:
+            self._launch(self._bind(fin, pre, new_reqs, cached))
+        finally:
+            guard.exit()
+        return self._result
 
     # -- public API --------------------------------------------------------
 
-    def apply(self, scheduler_output) -> None:
+    def apply(self, scheduler_output) -> StepResult:
         """Apply one scheduler step: finish, add, update (see docs/api.md).
 
-        Validates the whole step first: on bad input it raises a
-        :class:`~mtpstate.StateError` and changes nothing.
+        Validates the whole step: on bad input it raises a
+        :class:`~mtpstate.StateError` naming the request and field, and
+        changes nothing.
+
+        Returns
+        -------
+        StepResult
+            Rows of the cached, new and freed requests (views valid until
+            the next call that changes the table).
         """
         so = scheduler_output
-        fin = so.finished_req_ids
-        pre = so.preempted_req_ids
-        if not fin and not pre and not so.scheduled_new_reqs:
-            # steady-state fast path: only running requests are updated
-            c = so.scheduled_cached_reqs
-            if not getattr(c, "resumed_req_ids", None):
-                ids = c.req_ids
-                mirror = self._mirror
-                if mirror is not None:
-                    mirror.begin_step()
-                status = T.tb_update(
-                    self._ix_addr, self._tb_addr, id(ids), id(c.num_computed_tokens), id(c.new_block_ids), 0
-                )
-                if status == K.OK:
-                    if mirror is not None:
-                        mirror.end_step(int(self._ctx[T.TB_STG_N]))
-                    return
-                # anything else (generic inputs, errors) takes the full path;
-                # a rejected kernel call has changed nothing
-        if pre:
-            fin = list(fin) + list(pre) if fin else list(pre)
-        elif fin:
-            fin = list(fin) if type(fin) is not list else fin
-        else:
-            fin = None
-        new_reqs = so.scheduled_new_reqs
-        cached = so.scheduled_cached_reqs
-        if self._mirror is None and cached is not None and cached.req_ids:
-            if not getattr(cached, "resumed_req_ids", None) and self._apply_split(fin, new_reqs, cached):
-                return
-        self._step(fin, new_reqs, cached)
-
-    def _apply_split(self, fin, new_reqs, cached) -> bool:
-        """A step with finished/new requests, applied as: validate finish + add;
-        update the running requests with the single-pass kernel (refusing any
-        row this step frees); then finish + add. Equivalent to finish, add,
-        update whenever no running request is finished, re-sent or added by
-        the step; otherwise (and on any error) nothing has changed and the
-        general kernel takes the step. Returns whether the step was applied."""
-        nid = nplen = npre = nblk = nnct = nmax = None
-        if new_reqs:
-            nid, nplen, npre, nblk, nnct, nmax = self._gather_new(new_reqs)
-        addrs = [id(a) if a is not None else 0 for a in (fin, nid, nplen, npre, nblk, nnct, nmax)]
-        ctx = self._ctx
-        ctx[T.TB_VALIDATE_ONLY] = 1
         try:
-            status = T.tb_step(self._ix_addr, self._tb_addr, *addrs, 0, 0, 0, 0)
-        finally:
-            ctx[T.TB_VALIDATE_ONLY] = 0
-        if status != K.OK:
-            return False
-        ctx[T.TB_EXCLUDE_STAMP] = ctx[T.TB_STAMP]  # the rows that validation marked freed
-        try:
-            status = T.tb_update(
-                self._ix_addr,
-                self._tb_addr,
-                id(cached.req_ids),
-                id(cached.num_computed_tokens),
-                id(cached.new_block_ids),
-                0,
-            )
-        finally:
-            ctx[T.TB_EXCLUDE_STAMP] = 0
-        if status != K.OK:
-            return False  # the update rolled itself back
-        # finish + add were validated against state the update did not touch
-        status = T.tb_step(self._ix_addr, self._tb_addr, *addrs, 0, 0, 0, 0)
-        if status != K.OK:  # pragma: no cover - cannot happen after validation
-            raise StateError(f"internal error: validated step failed with status {status}")
-        return True
+            fin = so.finished_req_ids
+            pre = so.preempted_req_ids
+            new = so.scheduled_new_reqs
+            cached = so.scheduled_cached_reqs
+        except Exception as e:
+            raise InvalidStepError(f"not a scheduler output: {e!r}") from None
+        if cached is None:
+            raise InvalidStepError("scheduled_cached_reqs is None")
+        return self._step(fin, pre, new, cached)
 
-    def finish(self, req_ids) -> None:
+    def finish(self, req_ids) -> StepResult:
         """Remove these requests (unknown ids are ignored)."""
-        self._step(list(req_ids) if type(req_ids) is not list else req_ids, None, None)
+        return self._step(req_ids, None, None, None)
 
-    def add(self, new_reqs) -> None:
+    def add(self, new_reqs) -> StepResult:
         """Add new requests (objects shaped like vLLM's ``NewRequestData``)."""
-        self._step(None, list(new_reqs), None)
+        return self._step(None, None, new_reqs, None)
 
-    def update(self, cached_reqs) -> None:
+    def update(self, cached_reqs) -> StepResult:
         """Update running requests (shaped like vLLM's ``CachedRequestData``)."""
-        self._step(None, None, cached_reqs)
+        if cached_reqs is None:
+            raise InvalidStepError("scheduled_cached_reqs is None")
+        return self._step(None, None, None, cached_reqs)
+
+    @property
+    def python_path_steps(self) -> int:
+        """Steps that needed the Python conversion path (exotic input types:
+        numpy scalars in lists, str subclasses, ids with lone surrogates,
+        ...). vLLM-shaped steps never do."""
+        return self._python_path_steps
 
     def update_arrays(self, req_ids, num_computed_tokens, new_block_offsets=None, new_block_ids=None) -> np.ndarray:
         """Update running requests from arrays an engine already holds.
@@ -488,21 +756,22 @@ class RequestTable:
 
     def __del__(self):
         # the kernels hold a reference to each id object of the current
-        # prediction buffer (see _table_kernels); give them back
+        # prediction buffer (see _table_kernels); give them back. At
+        # interpreter exit modules may be half torn down: then do nothing.
         try:
             ctx = self._ctx
+            if not ctx[T.TB_PREV_OWNED]:
+                return
             cur, n = int(ctx[T.TB_PREV_CUR]), int(ctx[T.TB_PREV_N])
-            objs = self._prev_obj[cur, :n].tolist() if ctx[T.TB_PREV_OWNED] else []
+            objs = self._prev_obj[cur, :n].tolist()
             ctx[T.TB_PREV_N] = 0
-        except AttributeError:  # __init__ did not finish
-            return
-        try:
+            ctx[T.TB_PREV_OWNED] = 0
             from mtpstate._native import decref
 
             for obj in objs:
                 if obj:
                     decref(obj)
-        except Exception:  # pragma: no cover - interpreter shutdown
+        except Exception:
             pass
 
     # -- device mirror -----------------------------------------------------

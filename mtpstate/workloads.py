@@ -3,8 +3,10 @@ implementation."""
 
 from __future__ import annotations
 
+import array
 import copy
 import pickle
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -86,3 +88,109 @@ def mixed(n: int, steps: int = 8, seed: int = 0):
 
 def clone(steps):
     return copy.deepcopy(steps)
+
+
+# ----------------------------------------------------------------------------
+# steps shaped exactly like vLLM 0.34's SchedulerOutput
+
+
+class TokenBuffer(array.array):
+    """Like vLLM 0.34's ``TokenBuffer``: an ``array('i')`` subclass."""
+
+    def __new__(cls, values=()):
+        return super().__new__(cls, "i", values)
+
+    def __reduce__(self):
+        return (TokenBuffer, (list(self),))
+
+
+@dataclass
+class VllmCachedRequestData:
+    """vLLM 0.34's ``CachedRequestData``: no ``resumed_req_ids``."""
+
+    req_ids: list
+    new_token_ids: list
+    new_block_ids: list
+    num_computed_tokens: list
+    num_output_tokens: list
+
+
+def vllm_shaped(so: SchedulerOutput) -> SchedulerOutput:
+    """One simulator step (``resume_mode="new"``) in vLLM 0.34's shape:
+    TokenBuffer token ids (``prefill_token_ids`` the very object of
+    ``prompt_token_ids`` unless the request was preempted and re-sent), a
+    CachedRequestData without ``resumed_req_ids``, ``preempted_req_ids`` a set
+    (possibly empty), ``num_scheduled_tokens`` listing the cached requests
+    then the new ones, fresh lists."""
+    c = so.scheduled_cached_reqs
+    if c.resumed_req_ids:
+        raise ValueError("vLLM 0.34 re-sends preempted requests as new: simulate with resume_mode='new'")
+    new = []
+    for r in so.scheduled_new_reqs:
+        prompt = TokenBuffer(r.prompt_token_ids)
+        prefill = prompt if r.prefill_token_ids is None else TokenBuffer(r.prefill_token_ids)
+        new.append(NewRequestData(r.req_id, prompt, r.sampling_params, r.block_ids, r.num_computed_tokens, prefill))
+    nst = so.num_scheduled_tokens
+    order = [*c.req_ids, *(r.req_id for r in new)]
+    cached = VllmCachedRequestData(
+        req_ids=list(c.req_ids),
+        new_token_ids=[],
+        new_block_ids=list(c.new_block_ids),
+        num_computed_tokens=list(c.num_computed_tokens),
+        num_output_tokens=[0] * len(c.req_ids),
+    )
+    return SchedulerOutput(
+        scheduled_new_reqs=new,
+        scheduled_cached_reqs=cached,
+        num_scheduled_tokens={r: nst[r] for r in order},
+        total_num_scheduled_tokens=so.total_num_scheduled_tokens,
+        scheduled_spec_decode_tokens=so.scheduled_spec_decode_tokens,
+        finished_req_ids=set(so.finished_req_ids),
+        preempted_req_ids=set(so.preempted_req_ids or ()),
+    )
+
+
+def vllm_busy(n: int, steps: int = 8, seed: int = 0):
+    """vLLM-shaped busy-server steps at about N running requests: arrivals
+    and finishes every step, chunked prefill, MTP k=3 with rejections,
+    preemptions re-sent as new requests, aborts, prefix/remote-KV hits."""
+    sim = Simulator(
+        max_num_reqs=n,
+        max_model_len=MAX_MODEL_LEN,
+        max_num_batched_tokens=max(8192, 5 * n),
+        block_sizes=(BLOCK_SIZE,),
+        arrivals_per_step=max(1.0, n / 64),
+        prompt_len=(16, 256),
+        output_len=(32, 512),
+        num_spec=3,
+        accept=0.7,
+        preempt_prob=0.2,
+        abort_prob=0.2,
+        abort_waiting_prob=0.1,
+        prefix_hit_prob=0.2,
+        remote_kv_prob=0.1,
+        resume_mode="new",
+        seed=seed,
+    )
+    warm = []
+    while len(sim.running) < int(0.9 * n) and len(warm) < 4000:
+        warm.append(vllm_shaped(sim.step()))
+    timed = [vllm_shaped(sim.step()) for _ in range(steps)]
+    return warm, timed
+
+
+def vllm_steady_decode(n: int, steps: int = 8, seed: int = 0, fresh_ids: bool = False):
+    """vLLM-shaped steady decode: N running requests (added with TokenBuffer
+    prompts), MTP k=3, fresh lists every step; the same id objects every step
+    (in-process engine) or fresh ones (``fresh_ids``: unpickled, as a worker
+    process receives them)."""
+    setup, timed = steady_decode(n, steps=steps, num_spec=3, seed=seed, fresh_ids=fresh_ids)
+    setup = [vllm_shaped(so) for so in setup]
+    out = []
+    for so in timed:
+        v = vllm_shaped(so)
+        if not fresh_ids:  # the scheduler's own str objects, in a new list every step
+            v.scheduled_cached_reqs.req_ids = list(so.scheduled_cached_reqs.req_ids)
+        v.num_scheduled_tokens = {r: 4 for r in v.scheduled_cached_reqs.req_ids}
+        out.append(v)
+    return setup, out
