@@ -142,7 +142,7 @@ def vllm_shaped(so: SchedulerOutput) -> SchedulerOutput:
     return SchedulerOutput(
         scheduled_new_reqs=new,
         scheduled_cached_reqs=cached,
-        num_scheduled_tokens={r: nst[r] for r in order},
+        num_scheduled_tokens={r: nst.get(r, 1) for r in order},
         total_num_scheduled_tokens=so.total_num_scheduled_tokens,
         scheduled_spec_decode_tokens=so.scheduled_spec_decode_tokens,
         finished_req_ids=set(so.finished_req_ids),

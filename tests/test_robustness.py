@@ -1,0 +1,178 @@
+"""Robustness: adversarial inputs never crash the process, never leave
+half-applied or silently wrong state (cases in robust_cases.py, run in
+subprocesses so a segfault fails a test); two threads on one table; memory
+bounded against huge ids; quiet interpreter exit."""
+
+import os
+import subprocess
+import sys
+import threading
+
+import numpy as np
+import pytest
+from helpers import FIELDS
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from mtpstate import RequestTable, StateError
+from mtpstate.reference import LoopRequestTable
+from mtpstate.sim import Simulator
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def _run(args, env_extra=None, timeout=600):
+    env = dict(os.environ, **(env_extra or {}))
+    p = subprocess.run([sys.executable, *args], cwd=HERE, env=env, capture_output=True, text=True, timeout=timeout)
+    return p
+
+
+def _has_torch():
+    try:
+        import torch  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+@pytest.mark.parametrize(
+    "mode,env",
+    [
+        ("host", {}),
+        ("mirror", {}),
+        ("host", {"PYTHONMALLOC": "debug"}),  # freed memory is poisoned: a use after free shows
+        ("host", {"NUMBA_DISABLE_JIT": "1"}),
+        ("mirror", {"NUMBA_DISABLE_JIT": "1"}),
+    ],
+    ids=["jit", "jit-mirror", "jit-malloc-debug", "nojit", "nojit-mirror"],
+)
+def test_adversarial_cases_in_subprocess(mode, env):
+    if mode == "mirror" and not _has_torch():
+        pytest.skip("the mirror needs torch (pip install 'mtpstate[torch]')")
+    p = _run(["robust_cases.py", mode], env)
+    last = [line for line in p.stdout.splitlines() if line.startswith("case")][-1:]
+    assert p.returncode == 0 and "ALL OK" in p.stdout, (
+        f"exit {p.returncode} after {last}\n{p.stdout[-2000:]}\n{p.stderr[-4000:]}"
+    )
+
+
+def test_two_threads_on_one_table():
+    """Two threads apply two independent simulated workloads (disjoint ids)
+    to one table; the call guard serializes whole steps, so each request's
+    state must equal its own oracle's."""
+    cfg = dict(max_model_len=512, block_sizes=(16,))
+    t = RequestTable(max_num_reqs=64, **cfg)
+    errors = []
+    oracles = []
+
+    def worker(seed):
+        sim = Simulator(
+            max_num_reqs=32,
+            **cfg,
+            num_spec=3,
+            accept=0.6,
+            preempt_prob=0.1,
+            abort_prob=0.1,
+            prompt_len=(1, 100),
+            output_len=(1, 60),
+            seed=seed,
+        )
+        loop = LoopRequestTable(max_num_reqs=32, **cfg)
+        oracles.append(loop)
+        try:
+            for so in sim.run(300):
+                t.apply(so)
+                loop.apply(so)
+        except Exception as e:  # pragma: no cover - reported below
+            errors.append(e)
+
+    ths = [threading.Thread(target=worker, args=(s,)) for s in (1, 2)]
+    for th in ths:
+        th.start()
+    for th in ths:
+        th.join()
+    assert not errors, errors
+    live = {r: (loop, row) for loop in oracles for r, row in loop.req_id_to_index.items()}
+    assert len(t) == len(live)
+    for r, (loop, row) in live.items():
+        mine = t.rows([r])[0]
+        for name in FIELDS:
+            assert getattr(t, name)[mine] == getattr(loop, name)[row], (r, name)
+        n = loop.num_blocks[0, row]
+        assert t.num_blocks[0, mine] == n
+        np.testing.assert_array_equal(t.block_tables[0][mine, :n], loop.block_tables[0][row, :n])
+
+
+def test_huge_ids_keep_memory_bounded():
+    t = RequestTable(max_num_reqs=4096, max_model_len=64, block_sizes=(16,), max_id_bytes=256)
+    from mtpstate.sim import NewRequestData, SamplingParams, SchedulerOutput
+
+    before = t.index._keys.nbytes
+    with pytest.raises(StateError, match="max_id_bytes"):
+        t.apply(
+            SchedulerOutput(scheduled_new_reqs=[NewRequestData("x" * (1 << 20), [1], SamplingParams(2), ([0],), 0)])
+        )
+    assert t.index._keys.nbytes == before
+    # the longest accepted id widens the key storage to at most ~max_id_bytes per row
+    t.apply(SchedulerOutput(scheduled_new_reqs=[NewRequestData("y" * 256, [1], SamplingParams(2), ([0],), 0)]))
+    assert t.index._keys.nbytes <= 4096 * (256 + 16) * 2
+    assert t.rows(["y" * 256]).tolist() == [0]
+    with pytest.raises(StateError, match="max_id_bytes"):
+        t.index.insert(["z" * 300])
+
+
+def test_quiet_interpreter_exit():
+    """Tables held as module globals (with owned id references) at exit."""
+    code = (
+        "import mtpstate\n"
+        "from mtpstate.workloads import steady_decode\n"
+        "setup, timed = steady_decode(64, steps=3)\n"
+        "T = mtpstate.RequestTable(max_num_reqs=64, max_model_len=16384)\n"
+        "for so in setup + timed: T.apply(so)\n"
+        "U = mtpstate.RequestTable(max_num_reqs=64, max_model_len=16384, device='cpu')\n"
+        "for so in setup + timed: U.apply(so)\n"
+    )
+    p = _run(["-c", code])
+    assert p.returncode == 0, p.stderr
+    assert p.stderr.strip() == "", p.stderr
+
+
+@settings(max_examples=40)
+@given(
+    st.lists(
+        st.one_of(
+            st.none(),
+            st.integers(-(2**70), 2**70),
+            st.text(max_size=6),
+            st.booleans(),
+            st.floats(allow_nan=True),
+            st.lists(st.integers(-5, 2**40), max_size=3),
+        ),
+        min_size=1,
+        max_size=4,
+    ),
+    st.sampled_from(["req_ids", "num_computed_tokens", "new_block_ids"]),
+)
+def test_random_junk_in_cached_lists(junk, attr):
+    """Random junk in place of the cached lists' items: rejected with a
+    StateError and nothing changed, or (where it happens to be valid)
+    applied like the oracle. In-process: these never reach a dereference of
+    anything but a checked type."""
+    from helpers import assert_same_snapshot, assert_tables_agree, table_snapshot
+    from robust_cases import World
+
+    w = World()
+    p = w.plan(False)
+    so = w.build(p)
+    c = so.scheduled_cached_reqs
+    lst = getattr(c, attr)
+    for i, x in enumerate(junk[: len(lst)]):
+        lst[i] = x
+    before = table_snapshot(w.t)
+    try:
+        w.t.apply(so)
+    except StateError:
+        assert_same_snapshot(before, table_snapshot(w.t))
+    else:
+        w.loop.apply(so)
+        assert_tables_agree(w.t, w.loop)
