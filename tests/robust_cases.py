@@ -427,12 +427,12 @@ def bool_nct(w, p):
 
 
 def int_subclass(w, p):
-    class I(int):
+    class MyInt(int):
         pass
 
     so = w.build(p)
     c = so.scheduled_cached_reqs
-    c.num_computed_tokens = [I(x) for x in c.num_computed_tokens]
+    c.num_computed_tokens = [MyInt(x) for x in c.num_computed_tokens]
     return so, w.build(p), []
 
 
