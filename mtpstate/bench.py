@@ -172,6 +172,72 @@ def bench_table(sizes, quick, progress, mirror=True):
     return results
 
 
+VLLM_WORKLOADS = ("vllm-busy", "vllm-steady-same-ids", "vllm-steady-fresh-ids")
+
+
+def _mtpstate_idx_mapping(table, so):
+    """apply, then MRV2's batch -> row mapping (requests sorted by scheduled
+    tokens, stable: decode first) as one gather from the step's rows."""
+    res = table.apply(so)
+    nst = so.num_scheduled_tokens
+    counts = np.fromiter(nst.values(), np.int32, len(nst))
+    return res.rows[np.argsort(counts, kind="stable")]
+
+
+def bench_vllm(sizes, quick, progress):
+    """vLLM 0.34-shaped steps (TokenBuffer token ids, no resumed_req_ids,
+    fresh lists): RequestTable vs the MRV2-style loop, each timed from the
+    scheduler output to the batch -> row mapping ``idx_mapping``. Paired
+    and interleaved per step; the two mappings are checked equal (untimed)."""
+    from mtpstate import RequestTable
+    from mtpstate.reference import VllmLoopRequestTable
+    from mtpstate.workloads import BLOCK_SIZE, MAX_MODEL_LEN, vllm_busy, vllm_steady_decode
+
+    results = []
+    for workload in VLLM_WORKLOADS:
+        for n in sizes:
+            progress(f"{workload} N={n}")
+            steps = 6 if quick else 16
+            fresh = workload.endswith("fresh-ids")
+            if workload == "vllm-busy":
+                warm, timed = vllm_busy(n, steps=steps)
+            else:
+                warm, timed = vllm_steady_decode(n, steps=steps, fresh_ids=fresh)
+            blobs = [pickle.dumps(so) for so in timed] if fresh else None
+            repeats = max(2 if quick else 3, (200 if quick else 2000) // max(n, 1))
+            times = {"mrv2-loop": [], "vectorized": []}
+            pypath = 0
+            for _ in range(repeats):
+                a = RequestTable(max_num_reqs=n, max_model_len=MAX_MODEL_LEN, block_sizes=[BLOCK_SIZE])
+                b = VllmLoopRequestTable(max_num_reqs=n, max_model_len=MAX_MODEL_LEN, block_sizes=[BLOCK_SIZE])
+                for so in warm:
+                    a.apply(so)
+                    b.apply(so)
+                for k, so in enumerate(timed):
+                    s1 = pickle.loads(blobs[k]) if fresh else so
+                    s2 = pickle.loads(blobs[k]) if fresh else so
+                    t0 = time.perf_counter()
+                    m1 = _mtpstate_idx_mapping(a, s1)
+                    t1 = time.perf_counter()
+                    m2 = b.apply(s2)
+                    t2 = time.perf_counter()
+                    times["vectorized"].append(t1 - t0)
+                    times["mrv2-loop"].append(t2 - t1)
+                    if len(m1) != len(m2) or any(a.index.req_id(int(x)) != b_id for x, b_id in zip(m1, _ids_of(b, m2))):
+                        raise AssertionError(f"{workload} N={n}: batch -> row mappings disagree")
+                pypath += a.python_path_steps
+            rows = _rows(workload, n, times, "mrv2-loop", None)
+            for r in rows:
+                r["python_path_steps"] = pypath if r["impl"] == "vectorized" else None
+            results += rows
+    return results
+
+
+def _ids_of(loop, rows):
+    inv = {row: r for r, row in loop.req_id_to_index.items()}
+    return [inv[int(x)] for x in rows]
+
+
 def bench_index(sizes, quick, progress):
     from mtpstate import RequestIndex
 
@@ -227,6 +293,8 @@ def format_table(machine, results, warmup_s) -> str:
         extra = ""
         if "overhead_vs_host_median" in r:
             extra = f"  mirror/host-only {r['overhead_vs_host_median']:.2f}x"
+        if r.get("python_path_steps") is not None:
+            extra = f"  python-path steps {r['python_path_steps']}"
         base = r.get("baseline", "")
         lines.append(
             f"{r['workload']:<26}{r['n']:>7}  {r['impl']:<12}{r['median_us']:>11.2f}{r['p10_us']:>10.2f}"
@@ -236,7 +304,7 @@ def format_table(machine, results, warmup_s) -> str:
     return "\n".join(lines)
 
 
-def run(quick=False, sizes=None, json_path=None, plot_path=None, what=("table", "index"), out=print):
+def run(quick=False, sizes=None, json_path=None, plot_path=None, what=("table", "vllm", "index"), out=print):
     import sys
 
     from mtpstate import warmup
@@ -244,7 +312,11 @@ def run(quick=False, sizes=None, json_path=None, plot_path=None, what=("table", 
     sizes = sizes or (QUICK_SIZES if quick else SIZES)
     warmup_s = warmup()
 
-    total = (len(WORKLOADS) * len(sizes) if "table" in what else 0) + (len(sizes) if "index" in what else 0)
+    total = (
+        (len(WORKLOADS) * len(sizes) if "table" in what else 0)
+        + (len(VLLM_WORKLOADS) * len(sizes) if "vllm" in what else 0)
+        + (len(sizes) if "index" in what else 0)
+    )
     done = [0]
 
     def progress(msg):
@@ -257,6 +329,8 @@ def run(quick=False, sizes=None, json_path=None, plot_path=None, what=("table", 
     results = []
     if "table" in what:
         results += bench_table(sizes, quick, progress)
+    if "vllm" in what:
+        results += bench_vllm(sizes, quick, progress)
     if "index" in what:
         results += bench_index([n for n in sizes], quick, progress)
     print("\r" + " " * 80 + "\r", end="", file=sys.stderr)
@@ -286,8 +360,24 @@ def plot(results, path):
 
     workloads = sorted({r["workload"] for r in results})
     colors = dict(zip(workloads, plt.get_cmap("tab10").colors))
-    styles = {"vectorized": "-", "mirror": "--", "index": "-", "loop": ":", "loop-mirror": "-.", "dict": ":"}
-    markers = {"vectorized": "o", "mirror": "s", "index": "^", "loop": "x", "loop-mirror": "+", "dict": "x"}
+    styles = {
+        "vectorized": "-",
+        "mirror": "--",
+        "index": "-",
+        "loop": ":",
+        "loop-mirror": "-.",
+        "dict": ":",
+        "mrv2-loop": ":",
+    }
+    markers = {
+        "vectorized": "o",
+        "mirror": "s",
+        "index": "^",
+        "loop": "x",
+        "loop-mirror": "+",
+        "dict": "x",
+        "mrv2-loop": "x",
+    }
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(13, 5))
     for wl in workloads:
         for impl in styles:
@@ -296,7 +386,7 @@ def plot(results, path):
                 continue
             ns = [r["n"] for r in rs]
             kw = dict(color=colors[wl], ls=styles[impl], marker=markers[impl], ms=4)
-            if impl not in ("loop", "dict", "loop-mirror"):
+            if impl not in ("loop", "dict", "loop-mirror", "mrv2-loop"):
                 ax1.plot(ns, [r["speedup"] for r in rs], label=f"{wl}: {impl} vs {rs[0]['baseline']}", **kw)
             ax2.plot(ns, [r["median_us"] for r in rs], label=f"{wl}: {impl}", **kw)
     ax1.set_xscale("log")

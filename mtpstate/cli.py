@@ -53,7 +53,7 @@ def main(argv=None) -> int:
     b = sub.add_parser("bench", help="RequestTable / RequestIndex against the loop / dict, in one run")
     b.add_argument("--quick", action="store_true", help="fewer sizes and repeats (well under a minute)")
     b.add_argument("--sizes", type=_ints, help="comma-separated N values")
-    b.add_argument("--only", choices=["table", "index"], help="run one part")
+    b.add_argument("--only", choices=["table", "vllm", "index"], help="run one part")
     b.add_argument("--json", metavar="FILE", help="write results as JSON")
     b.add_argument("--plot", metavar="FILE.png", help="write a plot (needs matplotlib)")
     args = p.parse_args(argv)
@@ -103,7 +103,7 @@ def main(argv=None) -> int:
     elif args.cmd == "bench":
         from mtpstate.bench import run
 
-        what = (args.only,) if args.only else ("table", "index")
+        what = (args.only,) if args.only else ("table", "vllm", "index")
         run(quick=args.quick, sizes=args.sizes, json_path=args.json, plot_path=args.plot, what=what)
     return 0
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 import operator
 import os
 import threading
+from _thread import get_ident as _get_ident
 from collections.abc import Iterable
 
 import numpy as np
@@ -78,11 +79,12 @@ class _CallGuard:
         self._owner = None
 
     def enter(self) -> None:
+        me = _get_ident()
         if not self._lock.acquire(False):
-            if self._owner == threading.get_ident():
+            if self._owner == me:
                 raise StateError("re-entrant call: this table (or index) is already in a call on this thread")
             self._lock.acquire()
-        self._owner = threading.get_ident()
+        self._owner = me
 
     def exit(self) -> None:
         self._owner = None

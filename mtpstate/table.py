@@ -102,6 +102,20 @@ def _collection(x, what: str, keep: list):
     return x
 
 
+def _ids_or_none(x, what: str, keep: list):
+    """A collection of ids as an exact list/tuple, or None when empty."""
+    t = type(x)
+    if t is list or t is tuple:
+        return x if x else None
+    if t is set or t is frozenset:
+        if not x:
+            return None
+        x = list(x)  # iterating a set calls no __hash__/__eq__
+        keep.append(x)
+        return x
+    return _collection(x, what, keep) or None
+
+
 _NP_KINDS = {("i", 4): K.V_I32, ("i", 8): K.V_I64, ("u", 4): K.V_U32, ("u", 8): K.V_U64}
 _ARRAY_CODES = frozenset("ilqILQ")
 _BUF_SIGNED = {"i": True, "l": True, "q": True, "I": False, "L": False, "Q": False}
@@ -286,11 +300,9 @@ class _Step:
     __slots__ = ("fin", "pre", "new", "cid", "cnct", "cblk", "cres", "keep", "desc", "vec")
 
     def __init__(self):
-        self.fin = self.pre = self.cid = self.cnct = self.cblk = self.cres = None
+        self.fin = self.pre = self.cid = self.cnct = self.cblk = self.cres = self.desc = self.vec = None
         self.new = ()
         self.keep = []
-        self.desc = None
-        self.vec = None
 
 
 class RequestTable:
@@ -469,19 +481,23 @@ class RequestTable:
         b = _Step()
         keep = b.keep
         if fin is not None:
-            b.fin = _collection(fin, "finished_req_ids", keep) or None
+            b.fin = _ids_or_none(fin, "finished_req_ids", keep)
         if pre is not None:
-            b.pre = _collection(pre, "preempted_req_ids", keep) or None
+            b.pre = _ids_or_none(pre, "preempted_req_ids", keep)
         if new_reqs is not None:
-            new_reqs = _collection(new_reqs, "scheduled_new_reqs", keep)
-            if new_reqs:
-                b.new = [_read_new_request(r, k) for k, r in enumerate(new_reqs)]
+            t = type(new_reqs)
+            if not ((t is list or t is tuple) and not new_reqs):
+                new_reqs = _collection(new_reqs, "scheduled_new_reqs", keep)
+                if new_reqs:
+                    b.new = [_read_new_request(r, k) for k, r in enumerate(new_reqs)]
         if cached is not None:
             try:
                 cid = cached.req_ids
             except Exception as e:
                 raise InvalidStepError(f"scheduled_cached_reqs.req_ids: {e!r}") from None
-            cid = _collection(cid, "scheduled_cached_reqs.req_ids", keep)
+            t = type(cid)
+            if t is not list and t is not tuple:
+                cid = _collection(cid, "scheduled_cached_reqs.req_ids", keep)
             if cid:
                 try:
                     cnct = cached.num_computed_tokens
@@ -489,18 +505,27 @@ class RequestTable:
                     cres = getattr(cached, "resumed_req_ids", None)
                 except Exception as e:
                     raise InvalidStepError(f"scheduled_cached_reqs: {e!r}") from None
-                if cnct is None:
-                    raise InvalidStepError("scheduled_cached_reqs.num_computed_tokens is None")
-                vec = _int_vector(cnct, keep)
-                if vec is None:
-                    cnct = _collection(cnct, "scheduled_cached_reqs.num_computed_tokens", keep)
+                t = type(cnct)
+                if t is list or t is tuple:
                     vec = (K.V_OBJ, id(cnct), 0)
+                else:
+                    if cnct is None:
+                        raise InvalidStepError("scheduled_cached_reqs.num_computed_tokens is None")
+                    vec = _int_vector(cnct, keep)
+                    if vec is None:
+                        cnct = _collection(cnct, "scheduled_cached_reqs.num_computed_tokens", keep)
+                        vec = (K.V_OBJ, id(cnct), 0)
                 b.cid = cid
                 b.cnct = cnct
                 b.vec = vec
-                b.cblk = _collection(cblk, "scheduled_cached_reqs.new_block_ids", keep)
+                t = type(cblk)
+                b.cblk = (
+                    cblk
+                    if (t is list or t is tuple)
+                    else _collection(cblk, "scheduled_cached_reqs.new_block_ids", keep)
+                )
                 if cres is not None:
-                    b.cres = _collection(cres, "scheduled_cached_reqs.resumed_req_ids", keep) or None
+                    b.cres = _ids_or_none(cres, "scheduled_cached_reqs.resumed_req_ids", keep)
         return b
 
     def _describe_new(self, b: _Step) -> None:
@@ -552,7 +577,8 @@ class RequestTable:
         """Run the step kernel on a bound step; handle the retry statuses
         (grow key storage or staging, the generic path); raise on bad input.
         The caller holds the call guard."""
-        self._describe_new(b)
+        if b.new:
+            self._describe_new(b)
         canonical = False
         mirror = self._mirror
         ixc = self._index._ctx
