@@ -81,20 +81,23 @@ class LoopRequestTable:
         for req in new_reqs:
             row = heapq.heappop(self.free_rows)
             self.req_id_to_index[req.req_id] = row
-            prompt = req.prompt_token_ids
-            tokens = req.prefill_token_ids if req.prefill_token_ids is not None else prompt
-            prompt_len = len(prompt) if prompt is not None else req.prompt_len
-            sp = req.sampling_params
-            max_tokens = sp.max_tokens if sp is not None and sp.max_tokens is not None else 1
-            self.prompt_len[row] = prompt_len
-            self.prefill_len[row] = len(tokens)
-            self.max_seq_len[row] = prompt_len + max_tokens
-            self.num_computed_tokens[row] = req.num_computed_tokens
-            self.num_computed_prefill_tokens[row] = min(req.num_computed_tokens, len(tokens))
-            self.token_ids[row, : len(tokens)] = tokens
-            for g, ids in enumerate(req.block_ids):
-                self.block_tables[g][row, : len(ids)] = ids
-                self.num_blocks[g, row] = len(ids)
+            self._write_new(row, req)
+
+    def _write_new(self, row, req):
+        prompt = req.prompt_token_ids
+        tokens = req.prefill_token_ids if req.prefill_token_ids is not None else prompt
+        prompt_len = len(prompt) if prompt is not None else req.prompt_len
+        sp = req.sampling_params
+        max_tokens = sp.max_tokens if sp is not None and sp.max_tokens is not None else 1
+        self.prompt_len[row] = prompt_len
+        self.prefill_len[row] = len(tokens)
+        self.max_seq_len[row] = prompt_len + max_tokens
+        self.num_computed_tokens[row] = req.num_computed_tokens
+        self.num_computed_prefill_tokens[row] = min(req.num_computed_tokens, len(tokens))
+        self.token_ids[row, : len(tokens)] = tokens
+        for g, ids in enumerate(req.block_ids):
+            self.block_tables[g][row, : len(ids)] = ids
+            self.num_blocks[g, row] = len(ids)
 
     def _append_blocks(self, row, new_blocks, overwrite):
         for g, ids in enumerate(new_blocks):
@@ -249,18 +252,7 @@ class VllmLoopRequestTable(LoopRequestTable):
                 self._remove(req.req_id)
             row = self.free_rows.pop()
             d[req.req_id] = row
-            prompt = req.prompt_token_ids
-            tokens = req.prefill_token_ids if req.prefill_token_ids is not None else prompt
-            prompt_len = len(prompt) if prompt is not None else req.prompt_len
-            sp = req.sampling_params
-            max_tokens = sp.max_tokens if sp is not None and sp.max_tokens is not None else 1
-            self.prompt_len[row] = prompt_len
-            self.prefill_len[row] = len(tokens)
-            self.max_seq_len[row] = prompt_len + max_tokens
-            self.num_computed_tokens[row] = req.num_computed_tokens
-            self.num_computed_prefill_tokens[row] = min(req.num_computed_tokens, len(tokens))
-            self.token_ids[row, : len(tokens)] = tokens
-            self._append_blocks(row, req.block_ids, overwrite=True)
+            self._write_new(row, req)
 
     def apply(self, so):
         fin = so.finished_req_ids
