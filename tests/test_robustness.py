@@ -137,6 +137,31 @@ def test_quiet_interpreter_exit():
     assert p.stderr.strip() == "", p.stderr
 
 
+JUNK = dict(
+    junk=st.lists(
+        st.one_of(
+            st.none(),
+            st.integers(-(2**70), 2**70),
+            st.text(max_size=6),
+            st.booleans(),
+            st.floats(allow_nan=True),
+            st.lists(st.integers(-5, 2**40), max_size=3),
+        ),
+        min_size=1,
+        max_size=4,
+    ),
+    attr=st.sampled_from(["req_ids", "num_computed_tokens", "new_block_ids"]),
+)
+
+
+@pytest.mark.slow
+@settings(max_examples=3000)
+@given(**JUNK)
+def test_random_junk_long_run(junk, attr):
+    """The same property, 3000 examples (make test-slow)."""
+    test_random_junk_in_cached_lists.hypothesis.inner_test(junk, attr)
+
+
 @settings(max_examples=40)
 @given(
     st.lists(
