@@ -326,6 +326,50 @@ def _predict_miss(obj, j, prev_n, a_prev_row, a_rpp, slots, mask, keys, kw, seed
     return row, j, OK, h, ptr, klen
 
 
+@jit(inline="always")
+def _open_cached(tb, tp, cid, cnct_kind, cnct, cnct_n, cblk, array_ok, R):
+    """(req_ids items, count, num_computed_tokens vector kind and base,
+    new_block_ids items, status) of the cached requests' three lists,
+    checked for type and equal length."""
+    i_cid, nc, ok = _seq(cid, tp)
+    if not ok:
+        return 0, 0, 0, 0, 0, _err(tb, E_NOT_CANONICAL, -1, 0, PH_CACHED, FLD_REQ_ID)
+    vk, vb, n1, st1 = _vec(cnct_kind, cnct, cnct_n, tp, array_ok)
+    if st1 != OK:
+        return 0, 0, 0, 0, 0, _err(tb, st1, -1, 0, PH_CACHED, FLD_NCT)
+    i_cblk, n2, ok2 = _seq(cblk, tp)
+    if not ok2:
+        return 0, 0, 0, 0, 0, _err(tb, E_NOT_CANONICAL, -1, 0, PH_CACHED, FLD_BLOCKS)
+    if n1 != nc:
+        return 0, 0, 0, 0, 0, _err(tb, E_LENGTHS, -1, n1, PH_CACHED, FLD_NCT)
+    if n2 != nc:
+        return 0, 0, 0, 0, 0, _err(tb, E_LENGTHS, -1, n2, PH_CACHED, FLD_BLOCKS)
+    if nc > R:
+        return 0, 0, 0, 0, 0, _err(tb, E_DUPLICATE, -1, nc, PH_CACHED, FLD_REQ_ID)
+    return i_cid, nc, vk, vb, i_cblk, OK
+
+
+@jit(inline="always")
+def _append_blocks(blocks, replace, tp, a_state, R, ng, r, bt_addr, bt_w, flat_bt, staging, a_stg_pos, a_stg_val, ns):
+    """Append (or, for a resumed request, write from 0) one cached request's
+    validated new block ids, one list per group, to row ``r``; update
+    num_blocks; stage both. Returns the new number of staged elements."""
+    b_items, b_n, ok = _seq(blocks, tp)
+    for g in range(ng):
+        nbpos = (F_NB + g) * R + r
+        start = 0 if replace else ld32(a_state, nbpos)
+        gi, c, ok = _seq(_item(b_items, g), tp)
+        ns = _write_group(
+            _item(b_items, g), tp, bt_addr[g], bt_w[g], r, start, staging, a_stg_pos, a_stg_val, ns, flat_bt[g]
+        )
+        st32(a_state, nbpos, start + c)
+        if staging:
+            st64(a_stg_pos, ns, nbpos)
+            st32(a_stg_val, ns, start + c)
+            ns += 1
+    return ns
+
+
 @jit
 def _undo_update(a_state, a_scr, a_prev_row_next, R, count):
     """Restore num_computed_tokens (and the prefill counter derived from it)
@@ -364,6 +408,13 @@ def tb_apply(ixc, tbc, fin, pre, new, cid, cnct_kind, cnct, cnct_n, cblk, cres):
     ``cnct``: their num_computed_tokens as an int vector (``cnct_kind``,
     ``cnct_n``); ``cres``: list of resumed ids. 0 = absent. Returns OK or an
     error status (detail in the context)."""
+    tb = view_i64(tbc, TB_SIZE)
+    # what a step reports (result counts, staging) starts empty, also when it is rejected
+    tb[TB_STG_DUPS] = 0
+    tb[TB_RES_NC] = 0
+    tb[TB_RES_NN] = 0
+    tb[TB_RES_NF] = 0
+    tb[TB_STG_N] = 0
     if fin == 0 and pre == 0 and new == 0 and cres == 0:
         return _update_only(ixc, tbc, cid, cnct_kind, cnct, cnct_n, cblk)
     return _general(ixc, tbc, fin, pre, new, cid, cnct_kind, cnct, cnct_n, cblk, cres)
@@ -402,31 +453,14 @@ def _update_only(ixc, tbc, cid, cnct_kind, cnct, cnct_n, cblk):
     a_stg_val = tb[TB_STG_VAL]
     stamp = tb[TB_STAMP] + 1
     tb[TB_STAMP] = stamp
-    tb[TB_STG_DUPS] = 0
-    tb[TB_RES_NC] = 0
-    tb[TB_RES_NN] = 0
-    tb[TB_RES_NF] = 0
-    tb[TB_STG_N] = 0
     if cid == 0:
         return OK
     O_NCT = S_NCT * R
     O_ROWS = S_ROWS * R
     O_MISS = S_MISS * R
-    i_cid, nc, ok = _seq(cid, tp)
-    if not ok:
-        return _err(tb, E_NOT_CANONICAL, -1, 0, PH_CACHED, FLD_REQ_ID)
-    vk, vb, n1, st1 = _vec(cnct_kind, cnct, cnct_n, tp, ix[IX_ARRAY_OK])
-    if st1 != OK:
-        return _err(tb, st1, -1, 0, PH_CACHED, FLD_NCT)
-    i_cblk, n2, ok2 = _seq(cblk, tp)
-    if not ok2:
-        return _err(tb, E_NOT_CANONICAL, -1, 0, PH_CACHED, FLD_BLOCKS)
-    if n1 != nc:
-        return _err(tb, E_LENGTHS, -1, n1, PH_CACHED, FLD_NCT)
-    if n2 != nc:
-        return _err(tb, E_LENGTHS, -1, n2, PH_CACHED, FLD_BLOCKS)
-    if nc > R:
-        return _err(tb, E_DUPLICATE, -1, nc, PH_CACHED, FLD_REQ_ID)
+    i_cid, nc, vk, vb, i_cblk, st = _open_cached(tb, tp, cid, cnct_kind, cnct, cnct_n, cblk, ix[IX_ARRAY_OK], R)
+    if st != OK:
+        return st
     if staging and 2 * nc > stg_cap:
         return _err(tb, E_STAGE_FULL, -1, 2 * nc, 0, FLD_NONE)
     none = tp[5]
@@ -538,19 +572,9 @@ def _update_only(ixc, tbc, cid, cnct_kind, cnct, cnct_n, cblk):
     for k in range(nblk):
         i = ld32(a_scr, O_ROWS + k)
         r = ld32(a_res, i)
-        b_items, b_n, ok = _seq(_item(i_cblk, i), tp)
-        for g in range(ng):
-            nbpos = (F_NB + g) * R + r
-            start = ld32(a_state, nbpos)
-            gi, c, ok = _seq(_item(b_items, g), tp)
-            ns = _write_group(
-                _item(b_items, g), tp, bt_addr[g], bt_w[g], r, start, staging, a_stg_pos, a_stg_val, ns, flat_bt[g]
-            )
-            st32(a_state, nbpos, start + c)
-            if staging:
-                st64(a_stg_pos, ns, nbpos)
-                st32(a_stg_val, ns, start + c)
-                ns += 1
+        ns = _append_blocks(
+            _item(i_cblk, i), False, tp, a_state, R, ng, r, bt_addr, bt_w, flat_bt, staging, a_stg_pos, a_stg_val, ns
+        )
     if not unchanged:
         _commit_prediction(tb, a_scr, R, stamp, nc, hits, nmiss, a_prev_obj, prev_n, a_prev_obj_next)
     tb[TB_RES_NC] = nc
@@ -651,11 +675,6 @@ def _general(ixc, tbc, fin, pre, new, cid, cnct_kind, cnct, cnct_n, cblk, cres):
     a_stg_val = tb[TB_STG_VAL]
     stamp = tb[TB_STAMP] + 1
     tb[TB_STAMP] = stamp
-    tb[TB_STG_DUPS] = 0
-    tb[TB_RES_NC] = 0
-    tb[TB_RES_NN] = 0
-    tb[TB_RES_NF] = 0
-    tb[TB_STG_N] = 0
     O_ROWS = S_ROWS * R
     O_NCT = S_NCT * R
     O_FREE = S_FREE * R
@@ -845,21 +864,9 @@ def _general(ixc, tbc, fin, pre, new, cid, cnct_kind, cnct, cnct_n, cblk, cres):
     hits = 0
     nmiss = 0
     if cid != 0:
-        i_cid, nc, ok = _seq(cid, tp)
-        if not ok:
-            return _err(tb, E_NOT_CANONICAL, -1, 0, PH_CACHED, FLD_REQ_ID)
-        vk, vb, n1, st1 = _vec(cnct_kind, cnct, cnct_n, tp, array_ok)
-        if st1 != OK:
-            return _err(tb, st1, -1, 0, PH_CACHED, FLD_NCT)
-        i_cblk, n2, ok2 = _seq(cblk, tp)
-        if not ok2:
-            return _err(tb, E_NOT_CANONICAL, -1, 0, PH_CACHED, FLD_BLOCKS)
-        if n1 != nc:
-            return _err(tb, E_LENGTHS, -1, n1, PH_CACHED, FLD_NCT)
-        if n2 != nc:
-            return _err(tb, E_LENGTHS, -1, n2, PH_CACHED, FLD_BLOCKS)
-        if nc > R:
-            return _err(tb, E_DUPLICATE, -1, nc, PH_CACHED, FLD_REQ_ID)
+        i_cid, nc, vk, vb, i_cblk, st = _open_cached(tb, tp, cid, cnct_kind, cnct, cnct_n, cblk, array_ok, R)
+        if st != OK:
+            return st
         none = tp[5]
         j = 0
         for i in range(nc):
@@ -1012,29 +1019,9 @@ def _general(ixc, tbc, fin, pre, new, cid, cnct_kind, cnct, cnct_n, cblk, cres):
             b = _item(i_cblk, i)
             if b != none:
                 resumed = ld32(a_scr, O_FLAGS + i) == 1
-                b_items, b_n, ok = _seq(b, tp)
-                for g in range(ng):
-                    nbpos = (F_NB + g) * R + r
-                    start = 0 if resumed else ld32(a_state, nbpos)
-                    gi, c, ok = _seq(_item(b_items, g), tp)
-                    ns = _write_group(
-                        _item(b_items, g),
-                        tp,
-                        bt_addr[g],
-                        bt_w[g],
-                        r,
-                        start,
-                        staging,
-                        a_stg_pos,
-                        a_stg_val,
-                        ns,
-                        flat_bt[g],
-                    )
-                    st32(a_state, nbpos, start + c)
-                    if staging:
-                        st64(a_stg_pos, ns, nbpos)
-                        st32(a_stg_val, ns, start + c)
-                        ns += 1
+                ns = _append_blocks(
+                    b, resumed, tp, a_state, R, ng, r, bt_addr, bt_w, flat_bt, staging, a_stg_pos, a_stg_val, ns
+                )
             # remember this update's order and objects for the next prediction
             # (row_prev_pos[r] is trusted only where prev_row points back at r)
             st64(a_prev_obj_next, i, _owned_obj(_item(i_cid, i), tp))

@@ -59,18 +59,16 @@ def steady_decode(
     return [setup], timed
 
 
-def mixed(n: int, steps: int = 8, seed: int = 0):
-    """A simulator trace at about N running requests: arrivals, chunked
-    prefill, MTP with rejections, preemptions, aborts, prefix/remote-KV hits."""
-    sim = Simulator(
+def _busy_simulator(n: int, seed: int, **knobs) -> Simulator:
+    """A simulator at about N running requests with arrivals, chunked
+    prefill, MTP with rejections, preemptions, aborts and prefix/remote-KV
+    hits every step (``knobs`` set the rest)."""
+    return Simulator(
         max_num_reqs=n,
         max_model_len=MAX_MODEL_LEN,
-        max_num_batched_tokens=max(8192, 4 * n),
         block_sizes=(BLOCK_SIZE,),
-        arrivals_per_step=max(1.0, n / 16),
         prompt_len=(16, 256),
         output_len=(32, 512),
-        num_spec=2,
         accept=0.7,
         preempt_prob=0.2,
         abort_prob=0.2,
@@ -78,12 +76,25 @@ def mixed(n: int, steps: int = 8, seed: int = 0):
         prefix_hit_prob=0.2,
         remote_kv_prob=0.1,
         seed=seed,
+        **knobs,
     )
+
+
+def _warm_then_time(sim: Simulator, n: int, steps: int, shape=lambda so: so):
+    """Steps until ~90% of N run (the setup), then ``steps`` timed steps."""
     warm = []
     while len(sim.running) < int(0.9 * n) and len(warm) < 4000:
-        warm.append(sim.step())
-    timed = [sim.step() for _ in range(steps)]
-    return warm, timed
+        warm.append(shape(sim.step()))
+    return warm, [shape(sim.step()) for _ in range(steps)]
+
+
+def mixed(n: int, steps: int = 8, seed: int = 0):
+    """A simulator trace at about N running requests: arrivals, chunked
+    prefill, MTP with rejections, preemptions, aborts, prefix/remote-KV hits."""
+    sim = _busy_simulator(
+        n, seed, max_num_batched_tokens=max(8192, 4 * n), arrivals_per_step=max(1.0, n / 16), num_spec=2
+    )
+    return _warm_then_time(sim, n, steps)
 
 
 def clone(steps):
@@ -154,29 +165,15 @@ def vllm_busy(n: int, steps: int = 8, seed: int = 0):
     """vLLM-shaped busy-server steps at about N running requests: arrivals
     and finishes every step, chunked prefill, MTP k=3 with rejections,
     preemptions re-sent as new requests, aborts, prefix/remote-KV hits."""
-    sim = Simulator(
-        max_num_reqs=n,
-        max_model_len=MAX_MODEL_LEN,
+    sim = _busy_simulator(
+        n,
+        seed,
         max_num_batched_tokens=max(8192, 5 * n),
-        block_sizes=(BLOCK_SIZE,),
         arrivals_per_step=max(1.0, n / 64),
-        prompt_len=(16, 256),
-        output_len=(32, 512),
         num_spec=3,
-        accept=0.7,
-        preempt_prob=0.2,
-        abort_prob=0.2,
-        abort_waiting_prob=0.1,
-        prefix_hit_prob=0.2,
-        remote_kv_prob=0.1,
         resume_mode="new",
-        seed=seed,
     )
-    warm = []
-    while len(sim.running) < int(0.9 * n) and len(warm) < 4000:
-        warm.append(vllm_shaped(sim.step()))
-    timed = [vllm_shaped(sim.step()) for _ in range(steps)]
-    return warm, timed
+    return _warm_then_time(sim, n, steps, vllm_shaped)
 
 
 def vllm_steady_decode(n: int, steps: int = 8, seed: int = 0, fresh_ids: bool = False):

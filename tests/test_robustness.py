@@ -163,21 +163,7 @@ def test_random_junk_long_run(junk, attr):
 
 
 @settings(max_examples=40)
-@given(
-    st.lists(
-        st.one_of(
-            st.none(),
-            st.integers(-(2**70), 2**70),
-            st.text(max_size=6),
-            st.booleans(),
-            st.floats(allow_nan=True),
-            st.lists(st.integers(-5, 2**40), max_size=3),
-        ),
-        min_size=1,
-        max_size=4,
-    ),
-    st.sampled_from(["req_ids", "num_computed_tokens", "new_block_ids"]),
-)
+@given(**JUNK)
 def test_random_junk_in_cached_lists(junk, attr):
     """Random junk in place of the cached lists' items: rejected with a
     StateError and nothing changed, or (where it happens to be valid)
