@@ -25,6 +25,7 @@ from mtpstate._native import (
     fmix,
     int_value,
     jit,
+    ld64,
     load_i32,
     load_i64,
     load_u8,
@@ -145,7 +146,7 @@ def _pytypes(ctx):
     )
 
 
-@jit(inline="always")
+@jit
 def _key_of(obj, allow_bytes, tp):
     """(UTF-8 address, length, status) of a request id object."""
     t = load_i64(obj + OFF_TYPE)
@@ -217,12 +218,12 @@ def _seq(obj, tp):
     return 0, 0, False
 
 
-@jit(inline="always")
-def _item(items, i):
-    return load_i64(items + 8 * i)
+# the i-th object address of an item pointer array (a list's ob_item, a tuple's
+# inline items): an intrinsic, so the 30-odd call sites cost no inlining pass
+_item = ld64
 
 
-@jit(inline="always")
+@jit
 def _int_of(obj, tp):
     """(value, status) of an exact int; E_INT_RANGE outside int64,
     E_NOT_CANONICAL for anything that is not an exact int."""
@@ -234,7 +235,7 @@ def _int_of(obj, tp):
     return v, OK
 
 
-@jit(inline="always")
+@jit
 def _vec(kind, addr, n, tp, array_ok):
     """(kind, base, length, status) of an int vector given as (kind, addr,
     n): for V_OBJ the base is the item pointer array, for V_ARRAY the raw
@@ -299,7 +300,7 @@ def _slot_entry(h, row):
     return (np.int64(h >> np.uint64(33)) << 32) | np.int64(row)
 
 
-@jit(inline="always")
+@jit
 def _key_matches_row(keys, kw, r, ptr, n):
     # keys row layout: [length, word 0, word 1, ...], one row per request
     base = np.int64(r) * kw
@@ -314,7 +315,7 @@ def _key_matches_row(keys, kw, r, ptr, n):
     return True
 
 
-@jit(inline="always")
+@jit
 def _ix_params(ctx):
     """(mask, key_words, seed, hash mask, allow_bytes) of an index context."""
     return ctx[IX_MASK], ctx[IX_KW], ctx[IX_SEED], ctx[IX_HMASK], ctx[IX_ALLOW_BYTES]

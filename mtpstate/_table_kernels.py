@@ -179,7 +179,7 @@ def _err(tb, code, pos, arg, phase, field):
     return code
 
 
-@jit(inline="always")
+@jit
 def _check_int31_list(seq, tp, value_error):
     """(count, status) of a list of ints each in [0, 2**31) (token ids, block
     ids); ``value_error`` is the status for a value out of range."""
@@ -197,7 +197,7 @@ def _check_int31_list(seq, tp, value_error):
     return n, OK
 
 
-@jit(inline="always")
+@jit
 def _put(a_state, pos, v, staging, a_stg_pos, a_stg_val, ns):
     """state[pos] = v; stage it for the device only if the value changed
     (bytes shipped grow with what changed)."""
@@ -210,7 +210,7 @@ def _put(a_state, pos, v, staging, a_stg_pos, a_stg_val, ns):
     return ns
 
 
-@jit(inline="always")
+@jit
 def _write_group(seq, tp, a_bt, w, row, start, staging, a_stg_pos, a_stg_val, ns, flat):
     """Write one group's block ids into ``bt[row, start:]`` (``a_bt``: the
     table's address); returns the new number of staged elements."""
@@ -226,7 +226,7 @@ def _write_group(seq, tp, a_bt, w, row, start, staging, a_stg_pos, a_stg_val, ns
     return ns
 
 
-@jit(inline="always")
+@jit
 def _prediction_buffers(tb, R, cur):
     """Addresses of the current and the next prediction buffers: objects,
     rows, row -> position."""
@@ -326,7 +326,7 @@ def _predict_miss(obj, j, prev_n, a_prev_row, a_rpp, slots, mask, keys, kw, seed
     return row, j, OK, h, ptr, klen
 
 
-@jit(inline="always")
+@jit
 def _open_cached(tb, tp, cid, cnct_kind, cnct, cnct_n, cblk, array_ok, R):
     """(req_ids items, count, num_computed_tokens vector kind and base,
     new_block_ids items, status) of the cached requests' three lists,
@@ -368,6 +368,33 @@ def _append_blocks(blocks, replace, tp, a_state, R, ng, r, bt_addr, bt_w, flat_b
             st32(a_stg_val, ns, start + c)
             ns += 1
     return ns
+
+
+@jit
+def _sift_down(a, i, n):
+    v = a[i]
+    while True:
+        c = 2 * i + 1
+        if c >= n:
+            break
+        if c + 1 < n and a[c + 1] > a[c]:
+            c += 1
+        if a[c] <= v:
+            break
+        a[i] = a[c]
+        i = c
+    a[i] = v
+
+
+@jit
+def _heapsort(a, n):
+    """Sort a[:n] ascending in place (numba's own sort costs ~2 s of first
+    compile for one call site)."""
+    for i in range(n // 2 - 1, -1, -1):
+        _sift_down(a, i, n)
+    for end in range(n - 1, 0, -1):
+        a[0], a[end] = a[end], a[0]
+        _sift_down(a, 0, end)
 
 
 @jit
@@ -582,7 +609,7 @@ def _update_only(ixc, tbc, cid, cnct_kind, cnct, cnct_n, cblk):
     return OK
 
 
-@jit(inline="always")
+@jit
 def _free_ids(
     seq, phase, tb, tp, slots, mask, keys, kw, seed, hmask, allow, scr, O_FREE, O_RED, O_FREED, stamp, nfreed
 ):
@@ -607,7 +634,7 @@ def _free_ids(
     return nfreed, OK
 
 
-@jit(inline="always")
+@jit
 def _desc(items, i, tp):
     """An address stored in the new-request descriptor list (an exact int
     table.py made with ``id()``)."""
@@ -615,7 +642,7 @@ def _desc(items, i, tp):
     return v
 
 
-@jit(inline="always")
+@jit
 def _small_table(n):
     tsize = 8
     while tsize < 2 * n:
@@ -623,7 +650,7 @@ def _small_table(n):
     return np.full(tsize, -1, np.int64), tsize - 1
 
 
-@jit(inline="always")
+@jit
 def _table_find(tab, tmask, t_hash, t_ptr, t_len, h, ptr, klen):
     """Index of the key in a small open-addressing table of this step's keys
     (new ids, resumed ids), or -1; compared by bytes."""
@@ -636,7 +663,7 @@ def _table_find(tab, tmask, t_hash, t_ptr, t_len, h, ptr, klen):
     return -1
 
 
-@jit(inline="always")
+@jit
 def _table_add(tab, tmask, h, k):
     s = np.int64(h & np.uint64(tmask))
     while tab[s] >= 0:
@@ -955,7 +982,7 @@ def _general(ixc, tbc, fin, pre, new, cid, cnct_kind, cnct, cnct_n, cblk, cres):
     freed = res[2 * R : 2 * R + nfreed]
     for f in range(nfreed):
         freed[f] = scr[O_FREED + f]
-    freed.sort()
+    _heapsort(freed, nfreed)
     for f in range(nfreed):
         r = freed[f]
         _ix_free_row(ix, slots, row_hash, key_len, r)

@@ -792,7 +792,7 @@ class RequestTable:
             objs = self._prev_obj[cur, :n].tolist()
             ctx[T.TB_PREV_N] = 0
             ctx[T.TB_PREV_OWNED] = 0
-            from mtpstate._native import decref
+            from mtpstate._native import py_decref as decref
 
             for obj in objs:
                 if obj:
