@@ -1,4 +1,5 @@
 import pickle
+import re
 
 import pytest
 
@@ -26,3 +27,15 @@ class FreshIds:
 @pytest.fixture
 def fresh_ids():
     return FreshIds
+
+
+def natural_key(name):
+    """'apply-mixed-N16' before 'apply-mixed-N1024': digit runs compare as numbers."""
+    return [(0, int(part), "") if part.isdigit() else (1, 0, part) for part in re.split(r"(\d+)", name or "")]
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_benchmark_group_stats(config, benchmarks, group_by):
+    """Groups in numeric order of N (pytest-benchmark sorts their names as text)."""
+    outcome = yield
+    outcome.force_result(sorted(outcome.get_result(), key=lambda pair: natural_key(pair[0])))

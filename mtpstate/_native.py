@@ -21,8 +21,10 @@ from __future__ import annotations
 import ctypes
 import os
 import sys
+import time
 
 import numba
+import numba.core.event
 import numpy as np
 from llvmlite import ir
 from numba import types
@@ -52,6 +54,60 @@ def jit(fn=None, **kwargs):
     if fn is None:
         return lambda f: numba.njit(**options)(f)
     return numba.njit(**options)(fn)
+
+
+class _CompileNotice(numba.core.event.Listener):
+    """One line on stderr when mtpstate's kernels are compiled rather than
+    loaded from numba's on-disk cache: the first ``apply`` in a fresh
+    environment otherwise waits ~20 s in silence. Only the outermost compile
+    of an ``mtpstate`` kernel is reported (its callees compile inside it).
+    ``MTPSTATE_COMPILE_NOTICE=0`` silences it."""
+
+    def __init__(self):
+        self.depth = 0
+        self.t0 = 0.0
+        self.total_s = 0.0  # seconds spent compiling mtpstate kernels in this process
+
+    @staticmethod
+    def _ours(event) -> str | None:
+        fn = getattr(event.data.get("dispatcher"), "py_func", None)
+        mod = getattr(fn, "__module__", "") or ""
+        return fn.__name__ if mod.startswith("mtpstate.") else None
+
+    def on_start(self, event):
+        if self._ours(event) is None:
+            return
+        self.depth += 1
+        if self.depth == 1:
+            self.t0 = time.perf_counter()
+            if _notice_on() and sys.stderr.isatty():
+                print("mtpstate: compiling kernels (once per environment)...", end="", file=sys.stderr, flush=True)
+
+    def on_end(self, event):
+        name = self._ours(event)
+        if name is None:
+            return
+        self.depth -= 1
+        if self.depth == 0:
+            dt = time.perf_counter() - self.t0
+            self.total_s += dt
+            if _notice_on():
+                lead = "\r" if sys.stderr.isatty() else ""
+                hint = "" if self.total_s > dt else "; `mtpstate warmup` does this ahead of time"
+                print(
+                    f"{lead}mtpstate: compiled kernel {name} in {dt:.1f} s (first use in this environment, "
+                    f"cached on disk for later runs{hint})",
+                    file=sys.stderr,
+                    flush=True,
+                )
+
+
+def _notice_on() -> bool:
+    return os.environ.get("MTPSTATE_COMPILE_NOTICE", "1") not in ("0", "")
+
+
+COMPILE_NOTICE = _CompileNotice()
+numba.core.event.register("numba:compile", COMPILE_NOTICE)
 
 
 # Addresses compared against ``ob_type`` (and the singletons). Never use them

@@ -23,10 +23,37 @@ SIZES = [1, 16, 64, 256, 1024, 4096, 16384]
 QUICK_SIZES = [1, 256, 4096]
 
 
+def version_string() -> str:
+    """mtpstate's version, plus the git commit when running from a checkout
+    ("0.1.0 (git daef054)", "+dirty" when it has local changes)."""
+    import subprocess
+
+    from mtpstate import __version__
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    if not os.path.exists(os.path.join(root, ".git")):
+        return __version__
+    try:
+        git = ["git", "-C", root]
+        commit = subprocess.run(git + ["rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=5)
+        dirty = subprocess.run(git + ["status", "--porcelain", "-uno"], capture_output=True, text=True, timeout=5)
+    except (OSError, subprocess.SubprocessError):
+        return __version__
+    if commit.returncode != 0:
+        return __version__
+    return f"{__version__} (git {commit.stdout.strip()}{'+dirty' if dirty.stdout.strip() else ''})"
+
+
 def machine_info() -> dict:
+    """The run's metadata: date, mtpstate version and commit, interpreter and
+    library versions, CPU, and where the device mirror's tensors live."""
+    import datetime
+
     import numba
 
     info = {
+        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "mtpstate": version_string(),
         "cpu": platform.processor() or platform.machine(),
         "cores": os.cpu_count(),
         "python": platform.python_version(),
@@ -47,14 +74,84 @@ def machine_info() -> dict:
         info["torch"] = torch.__version__
     except ImportError:
         info["torch"] = None
+    dev = mirror_device()
+    names = {None: "none (torch not installed)", "cpu": "cpu (no GPU: mirror timings are host copies)"}
+    info["mirror_device"] = names.get(dev, dev)
+    if dev == "cuda":
+        import torch
+
+        info["mirror_device"] = f"cuda ({torch.cuda.get_device_name()})"
     return info
+
+
+def caption(machine: dict) -> str:
+    """Two lines naming the run: for the console header and the plot."""
+    m = machine
+    return (
+        f"{m['date']}, mtpstate {m['mtpstate']}; mirror target: {m['mirror_device']}\n"
+        f"{m['cpu']}, {m['cores']} cores; Python {m['python']}, numpy {m['numpy']}, numba {m['numba']}, "
+        f"torch {m['torch']}"
+    )
+
+
+class Progress:
+    """Progress of a bench run on stderr: on a terminal, a bar within the
+    current cell (workload x N) with its ETA; elsewhere one line per finished
+    cell (no ``\r`` frames in pipes and CI logs)."""
+
+    def __init__(self, total_cells: int, stream=None):
+        import sys
+
+        self.stream = stream or sys.stderr
+        self.tty = self.stream.isatty()
+        self.total, self.cells = total_cells, 0
+        self.t_run = time.perf_counter()
+        self.label, self.units, self.done, self.t_cell = "", 1, 0, 0.0
+        self._last = 0.0
+
+    def cell(self, label: str, units: int) -> None:
+        self._finish_cell()
+        self.cells += 1
+        self.label, self.units, self.done, self.t_cell = label, max(units, 1), 0, time.perf_counter()
+        self._draw()
+
+    def tick(self) -> None:
+        self.done += 1
+        now = time.perf_counter()
+        if now - self._last >= 0.2:  # a terminal redraw costs ~10 us: not every tick
+            self._last = now
+            self._draw()
+
+    def _draw(self) -> None:
+        if not self.tty:
+            return
+        el = time.perf_counter() - self.t_cell
+        eta = f"ETA {el / self.done * (self.units - self.done):4.0f} s" if self.done else "ETA    ? s"
+        fill = 20 * self.done // self.units
+        print(
+            f"\r  [{self.cells}/{self.total}] {self.label:<30} [{'#' * fill}{'.' * (20 - fill)}] {eta}",
+            end="",
+            file=self.stream,
+            flush=True,
+        )
+
+    def _finish_cell(self) -> None:
+        if self.cells and not self.tty:
+            el = time.perf_counter() - self.t_cell
+            print(f"  [{self.cells}/{self.total}] {self.label}: {el:.1f} s", file=self.stream, flush=True)
+
+    def close(self) -> None:
+        self._finish_cell()
+        if self.tty:
+            print("\r" + " " * 90 + "\r", end="", file=self.stream, flush=True)
+        self.cells = 0
 
 
 def _pct(ts, q):
     return float(np.percentile(ts, q)) * 1e6
 
 
-def _time_tables(impls, n, setup, blobs, ids, repeats):
+def _time_tables(impls, n, setup, blobs, ids, repeats, tick=lambda: None):
     """Per-step times of each implementation on identical steps. Repeats and
     steps are interleaved across implementations, so that machine noise hits
     them alike. Each table is built once (hundreds of MB at large N, all
@@ -84,6 +181,7 @@ def _time_tables(impls, n, setup, blobs, ids, repeats):
                 live |= set(so.num_scheduled_tokens) | {r.req_id for r in so.scheduled_new_reqs}
         for so in setup:
             live |= {r.req_id for r in so.scheduled_new_reqs}
+        tick()
     del tables
     return times
 
@@ -143,7 +241,6 @@ def bench_table(sizes, quick, progress, mirror=True):
     results = []
     for workload in WORKLOADS:
         for n in sizes:
-            progress(f"{workload} N={n}")
             if workload == "mixed":
                 setup, timed = mixed(n, steps=4 if quick else 8)
                 ids = None
@@ -154,15 +251,17 @@ def bench_table(sizes, quick, progress, mirror=True):
             repeats = max(2 if quick else 4, (300 if quick else 3000) // max(n, 1))
             if workload == "mixed":
                 repeats = 1 if quick else 3
+            progress.cell(f"{workload} N={n}", repeats * (2 if device is not None else 1))
             host = {"loop": LoopRequestTable, "vectorized": RequestTable}
-            results += _rows(workload, n, _time_tables(host, n, setup, blobs, ids, repeats), "loop", None)
+            times = _time_tables(host, n, setup, blobs, ids, repeats, progress.tick)
+            results += _rows(workload, n, times, "loop", None)
             if device is not None:
                 impls = {
                     "vectorized": RequestTable,
                     "mirror": partial(RequestTable, device=device),
                     "loop-mirror": partial(LoopMirroredRequestTable, device=device),
                 }
-                times = _time_tables(impls, n, setup, blobs, ids, repeats)
+                times = _time_tables(impls, n, setup, blobs, ids, repeats, progress.tick)
                 rows = _rows(workload, n, {k: times[k] for k in ("loop-mirror", "mirror")}, "loop-mirror", device)
                 overhead = np.array(times["mirror"]) / np.array(times["vectorized"])
                 rows[1]["overhead_vs_host_median"] = float(np.median(overhead))
@@ -196,7 +295,6 @@ def bench_vllm(sizes, quick, progress):
     results = []
     for workload in VLLM_WORKLOADS:
         for n in sizes:
-            progress(f"{workload} N={n}")
             steps = 6 if quick else 16
             fresh = workload.endswith("fresh-ids")
             if workload == "vllm-busy":
@@ -205,6 +303,7 @@ def bench_vllm(sizes, quick, progress):
                 warm, timed = vllm_steady_decode(n, steps=steps, fresh_ids=fresh)
             blobs = [pickle.dumps(so) for so in timed] if fresh else None
             repeats = max(2 if quick else 3, (200 if quick else 2000) // max(n, 1))
+            progress.cell(f"{workload} N={n}", repeats)
             times = {"mrv2-loop": [], "vectorized": []}
             pypath = 0
             for _ in range(repeats):
@@ -226,6 +325,7 @@ def bench_vllm(sizes, quick, progress):
                     if len(m1) != len(m2) or any(a.index.req_id(int(x)) != b_id for x, b_id in zip(m1, _ids_of(b, m2))):
                         raise AssertionError(f"{workload} N={n}: batch -> row mappings disagree")
                 pypath += a.python_path_steps
+                progress.tick()
             rows = _rows(workload, n, times, "mrv2-loop", None)
             for r in rows:
                 r["python_path_steps"] = pypath if r["impl"] == "vectorized" else None
@@ -243,15 +343,16 @@ def bench_index(sizes, quick, progress):
 
     results = []
     for n in sizes:
-        progress(f"index-lookup N={n}")
         ids = [f"cmpl-{i:032x}-0" for i in range(n)]
         ix = RequestIndex(n)
         ix.insert(ids)
         d = {k: i for i, k in enumerate(ids)}
         blob = pickle.dumps(ids)
         repeats = max(15, (2000 if quick else 20000) // n)
+        progress.cell(f"index-lookup N={n}", repeats)
         a, b = [], []
         for _ in range(repeats):
+            progress.tick()
             l1, l2 = pickle.loads(blob), pickle.loads(blob)
             t0 = time.perf_counter()
             np.fromiter(map(d.__getitem__, l1), np.int64, n)
@@ -281,127 +382,177 @@ def fit_costs(results) -> list[dict]:
     return fits
 
 
-def format_table(machine, results, warmup_s) -> str:
-    lines = [
-        "mtpstate bench: " + ", ".join(f"{k}={v}" for k, v in machine.items()),
-        f"kernel compile/cache-load (warmup, excluded from timings): {warmup_s * 1e3:.1f} ms",
-        "",
-        f"{'workload':<26}{'N':>7}  {'impl':<12}{'median us':>11}{'p10':>10}{'p90':>10}{'ns/req':>9}"
-        f"{'speedup':>9}  {'(vs)':<12}{'paired p10-p90':>15}",
-    ]
+# what each workload's table compares: (implementation, its baseline, label)
+COMPARISONS = {
+    "table": (("vectorized", "loop"), ("mirror", "loop-mirror")),
+    "vllm": (("vectorized", "mrv2-loop"),),
+    "index": (("index", "dict"),),
+}
+# speed targets drawn on the plot: workload -> (ratio, label)
+TARGETS = {
+    "steady-decode": (20.0, "target 20x (N >= 1024)"),
+    "steady-decode-fresh-ids": (20.0, "target 20x (N >= 1024)"),
+    "vllm-busy": (10.0, "target 10x (N >= 1024)"),
+    "vllm-steady-same-ids": (30.0, "target 30x (N >= 1024)"),
+    "vllm-steady-fresh-ids": (25.0, "target 25x (N >= 1024)"),
+}
+
+
+def _part(workload: str) -> str:
+    return "vllm" if workload.startswith("vllm") else "index" if workload.startswith("index") else "table"
+
+
+def _workloads(results) -> list[str]:
+    seen: dict = {}
     for r in results:
-        extra = ""
-        if "overhead_vs_host_median" in r:
-            extra = f"  mirror/host-only {r['overhead_vs_host_median']:.2f}x"
-        if r.get("python_path_steps") is not None:
-            extra = f"  python-path steps {r['python_path_steps']}"
-        base = r.get("baseline", "")
-        lines.append(
-            f"{r['workload']:<26}{r['n']:>7}  {r['impl']:<12}{r['median_us']:>11.2f}{r['p10_us']:>10.2f}"
-            f"{r['p90_us']:>10.2f}{r['ns_per_request']:>9.1f}{r['speedup']:>8.1f}x  {base:<12}"
-            f"{r.get('paired_speedup_p10', 0):>7.1f}-{r.get('paired_speedup_p90', 0):<6.1f}{extra}"
-        )
+        seen.setdefault(r["workload"], None)
+    return list(seen)
+
+
+def format_report(machine, results, warmup_s, fits=()) -> str:
+    """The console report: a header naming the run, then one table per
+    workload with the speedups first (no rows for the baselines)."""
+    how = "compiled" if machine.get("kernels_compiled") else "loaded from cache"
+    lines = [
+        *(f"mtpstate bench: {line}" for line in caption(machine).split("\n")),
+        f"kernels {how} in {warmup_s:.1f} s before timing (excluded). speedup = ratio of median step times;",
+        "paired = median (p10-p90) of per-step ratios (same steps, interleaved). Times: median us per step.",
+    ]
+    w = 48  # width of one comparison's columns
+    for wl in _workloads(results):
+        rs = [r for r in results if r["workload"] == wl]
+        by = {(r["n"], r["impl"]): r for r in rs}
+        ns = sorted({r["n"] for r in rs})
+        pairs = [(i, b) for i, b in COMPARISONS[_part(wl)] if any((n, i) in by for n in ns)]
+        pypath = any(r.get("python_path_steps") is not None for r in rs)
+        head, cols = f"{'':>6}", f"{'N':>6}"
+        for impl, base in pairs:
+            tag = f" (mirror target: {machine['mirror_device'].split(' ')[0]})" if impl == "mirror" else ""
+            head += f" | {(impl + ' vs ' + base + tag)[:w]:<{w}}"
+            cols += f" | {'speedup':>7} {'paired':>16} {base:>11} {impl:>11}"
+        if "mirror" in dict(pairs):
+            head += " |"
+            cols += " | mirror/host"
+        if pypath:
+            head += " |"
+            cols += " | python-path steps"
+        lines += ["", f"{wl}", head, cols]
+        for n in ns:
+            row = f"{n:>6}"
+            for impl, base in pairs:
+                r = by.get((n, impl))
+                if r is None:
+                    row += f" | {'-':>7} {'-':>16} {'-':>11} {'-':>11}"
+                    continue
+                p = f"{r['paired_speedup_median']:.1f}x ({r['paired_speedup_p10']:.1f}-{r['paired_speedup_p90']:.1f})"
+                row += f" | {r['speedup']:>6.1f}x {p:>16} {by[(n, base)]['median_us']:>11.2f} {r['median_us']:>11.2f}"
+            if "mirror" in dict(pairs):
+                m = by.get((n, "mirror"), {})
+                row += f" | {m['overhead_vs_host_median']:>10.2f}x" if "overhead_vs_host_median" in m else " |"
+            if pypath:
+                row += f" | {by[(n, pairs[0][0])].get('python_path_steps')!s:>17}"
+            lines.append(row)
+    if fits:
+        lines += ["", "fixed cost per step (median at N = 1) and per-request slope (least squares, N >= 64):"]
+        for f in fits:
+            fixed, slope = f["fixed_us"], f["slope_ns"]
+            lines.append(f"  {f['workload']:<26}{f['impl']:<12} fixed {fixed:7.2f} us   slope {slope:7.1f} ns/req")
     return "\n".join(lines)
 
 
-def run(quick=False, sizes=None, json_path=None, plot_path=None, what=("table", "vllm", "index"), out=print):
-    import sys
-
+def run(
+    quick=False,
+    sizes=None,
+    json_path=None,
+    plot_path=None,
+    what=("table", "vllm", "index"),
+    out=print,
+    wrote=None,
+    progress_stream=None,
+):
+    """Run the benchmark parts in ``what``; print the report, write the JSON
+    and plot if asked (``wrote(path)`` is called for each file written)."""
     from mtpstate import warmup
+    from mtpstate._native import COMPILE_NOTICE
 
-    sizes = sizes or (QUICK_SIZES if quick else SIZES)
+    sizes = sorted(set(sizes or (QUICK_SIZES if quick else SIZES)))
+    compiled_before = COMPILE_NOTICE.total_s
     warmup_s = warmup()
+    machine = machine_info()
+    machine["kernels_compiled"] = COMPILE_NOTICE.total_s > compiled_before
 
     total = (
         (len(WORKLOADS) * len(sizes) if "table" in what else 0)
         + (len(VLLM_WORKLOADS) * len(sizes) if "vllm" in what else 0)
         + (len(sizes) if "index" in what else 0)
     )
-    done = [0]
-
-    def progress(msg):
-        done[0] += 1
-        width = 30
-        fill = width * (done[0] - 1) // max(total, 1)
-        bar = "#" * fill + "." * (width - fill)
-        print(f"\r  [{bar}] {done[0]}/{total} {msg:<34}", end="", file=sys.stderr, flush=True)
-
+    progress = Progress(total, progress_stream)
     results = []
-    if "table" in what:
-        results += bench_table(sizes, quick, progress)
-    if "vllm" in what:
-        results += bench_vllm(sizes, quick, progress)
-    if "index" in what:
-        results += bench_index([n for n in sizes], quick, progress)
-    print("\r" + " " * 80 + "\r", end="", file=sys.stderr)
-    machine = machine_info()
+    try:
+        if "table" in what:
+            results += bench_table(sizes, quick, progress)
+        if "vllm" in what:
+            results += bench_vllm(sizes, quick, progress)
+        if "index" in what:
+            results += bench_index(sizes, quick, progress)
+    finally:
+        progress.close()
     fits = fit_costs(results)
-    out(format_table(machine, results, warmup_s))
-    if fits:
-        out("\nper-step fixed cost (median at N = 1) and per-request slope (least squares, N >= 64):")
-        for f in fits:
-            fixed, slope = f["fixed_us"], f["slope_ns"]
-            out(f"  {f['workload']:<26}{f['impl']:<12} fixed {fixed:7.2f} us   slope {slope:7.1f} ns/req")
+    out(format_report(machine, results, warmup_s, fits))
     if json_path:
         with open(json_path, "w") as f:
             json.dump({"machine": machine, "warmup_s": warmup_s, "results": results, "fits": fits}, f, indent=1)
+        if wrote:
+            wrote(json_path)
     if plot_path:
-        plot(results, plot_path)
+        plot(results, plot_path, machine)
+        if wrote:
+            wrote(plot_path)
     return results
 
 
-def plot(results, path):
-    """Speedup over the baseline vs N (log x) and time per step vs N
-    (log-log): one color per workload, one line style per implementation."""
+def plot(results, path, machine=None):
+    """One panel per workload: the speedup of each implementation over its
+    baseline vs N (log x), the break-even and the workload's target labelled;
+    the run's metadata as the caption."""
+    import math
+
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    workloads = sorted({r["workload"] for r in results})
-    colors = dict(zip(workloads, plt.get_cmap("tab10").colors))
-    styles = {
-        "vectorized": "-",
-        "mirror": "--",
-        "index": "-",
-        "loop": ":",
-        "loop-mirror": "-.",
-        "dict": ":",
-        "mrv2-loop": ":",
-    }
-    markers = {
-        "vectorized": "o",
-        "mirror": "s",
-        "index": "^",
-        "loop": "x",
-        "loop-mirror": "+",
-        "dict": "x",
-        "mrv2-loop": "x",
-    }
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(13, 5))
-    for wl in workloads:
-        for impl in styles:
-            rs = sorted((r for r in results if r["workload"] == wl and r["impl"] == impl), key=lambda r: r["n"])
-            if not rs:
+    wls = _workloads(results)
+    cols = min(3, len(wls))
+    rows = math.ceil(len(wls) / cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(5.2 * cols, 3.9 * rows + 0.6), squeeze=False)
+    for ax, wl in zip(axes.flat, wls):
+        rs = [r for r in results if r["workload"] == wl]
+        for k, (impl, base) in enumerate(COMPARISONS[_part(wl)]):
+            pts = sorted((r["n"], r["speedup"]) for r in rs if r["impl"] == impl)
+            if not pts:
                 continue
-            ns = [r["n"] for r in rs]
-            kw = dict(color=colors[wl], ls=styles[impl], marker=markers[impl], ms=4)
-            if impl not in ("loop", "dict", "loop-mirror", "mrv2-loop"):
-                ax1.plot(ns, [r["speedup"] for r in rs], label=f"{wl}: {impl} vs {rs[0]['baseline']}", **kw)
-            ax2.plot(ns, [r["median_us"] for r in rs], label=f"{wl}: {impl}", **kw)
-    ax1.set_xscale("log")
-    ax1.axhline(1, color="grey", lw=0.8)
-    ax1.axhline(20, color="grey", lw=0.8, ls=":")
-    ax1.set_xlabel("N running requests")
-    ax1.set_ylabel("speedup (median time ratio, x)")
-    ax1.set_title("speedup over the per-request loop (or dict)")
-    ax2.set_xscale("log")
-    ax2.set_yscale("log")
-    ax2.set_xlabel("N running requests")
-    ax2.set_ylabel("median us per step")
-    ax2.set_title("time per step")
-    for ax in (ax1, ax2):
+            label = f"{impl} vs {base}"
+            style = dict(marker="o", lw=1.8)
+            if impl == "mirror":
+                dev = (machine or {}).get("mirror_device", "?").split(" ")[0]
+                label = f"mirror vs loop-mirror (target device: {dev})"
+                style = dict(marker="s", lw=1.2, ls="--", alpha=0.7)
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], label=label, color=f"C{k}", **style)
+        ax.axhline(1, color="grey", lw=0.8, label="break-even (1x)")
+        if wl in TARGETS:
+            ratio, tlabel = TARGETS[wl]
+            ax.axhline(ratio, color="C3", lw=1, ls=":", label=tlabel)
+        ax.set_xscale("log")
+        ax.set_title(wl, fontsize=11)
+        ax.set_xlabel("N running requests")
+        ax.set_ylabel("speedup (x)")
         ax.grid(True, which="both", alpha=0.3)
-        ax.legend(fontsize=6.5, ncol=1)
-    fig.tight_layout()
+        ax.legend(fontsize=8.5, loc="upper left")
+    for ax in list(axes.flat)[len(wls) :]:
+        ax.set_visible(False)
+    if machine:
+        fig.text(0.5, 0.005, caption(machine), ha="center", va="bottom", fontsize=8)
+    fig.tight_layout(rect=(0, 0.03, 1, 1))
     fig.savefig(path, dpi=110)
+    plt.close(fig)

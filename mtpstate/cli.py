@@ -1,110 +1,428 @@
-"""Command line: ``mtpstate sim | replay | bench`` (also ``python -m mtpstate``)."""
+"""Command line: ``mtpstate sim | replay | bench | warmup`` (also ``python -m mtpstate``).
+
+Every user error is one line on stderr that names the flag or file, with exit
+status 2 (usage: checked before any work starts) or 1 (runtime); ``--debug``
+shows the traceback instead.
+"""
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
+import os
 import sys
+import time
+
+EXIT_RUNTIME = 1
+EXIT_USAGE = 2
 
 
-def _bar(label, done, total, width=30):
-    if done != total and done % max(1, total // 100):
-        return  # redraw about 100 times
-    fill = width * done // max(total, 1)
-    print(f"\r  {label} [{'#' * fill}{'.' * (width - fill)}] {done}/{total}", end="", file=sys.stderr, flush=True)
-    if done == total:
-        print(file=sys.stderr)
+class CliError(Exception):
+    """A user-facing failure: printed as one line, exit status ``status``."""
+
+    def __init__(self, message: str, status: int = EXIT_RUNTIME):
+        super().__init__(message)
+        self.status = status
 
 
-def _ints(s):
-    return tuple(int(x) for x in s.split(","))
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):  # one line instead of argparse's usage dump
+        self.exit(EXIT_USAGE, f"{self.prog}: error: {message} (see `{self.prog} --help`)\n")
+
+
+class _Formatter(argparse.RawDescriptionHelpFormatter):
+    """Descriptions as written; every option's default in its help."""
+
+    def _get_help_string(self, action):
+        h = action.help or ""
+        quiet = action.default is None or action.default is False or action.default is argparse.SUPPRESS
+        if not quiet and "%(default)" not in h:
+            h += " (default: %(default)s)"
+        return h
+
+
+# ----------------------------------------------------------------------------
+# argument types: each rejects bad values with a message argparse prefixes
+# with the flag ("argument --sizes: ...")
+
+
+def _int(lo: int | None = None, hi: int | None = None):
+    def parse(s: str) -> int:
+        try:
+            v = int(s)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer, got {s!r}") from None
+        if lo is not None and v < lo:
+            raise argparse.ArgumentTypeError(f"must be >= {lo}, got {v}")
+        if hi is not None and v > hi:
+            raise argparse.ArgumentTypeError(f"must be <= {hi}, got {v}")
+        return v
+
+    return parse
+
+
+def _float(lo: float, hi: float | None = None):
+    def parse(s: str) -> float:
+        try:
+            v = float(s)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a number, got {s!r}") from None
+        if not (v >= lo and (hi is None or v <= hi)):  # also rejects nan
+            want = f">= {lo:g}" if hi is None else f"in [{lo:g}, {hi:g}]"
+            raise argparse.ArgumentTypeError(f"must be {want}, got {s}")
+        return v
+
+    return parse
+
+
+def _ints(lo: int, count: int | None = None, ordered: bool = False, hi: int | None = None):
+    """Comma-separated integers >= lo (exactly ``count`` of them; ascending if
+    ``ordered``)."""
+    one = _int(lo, hi)
+
+    def parse(s: str) -> tuple[int, ...]:
+        parts = [p.strip() for p in s.split(",")]
+        if not s.strip() or any(not p for p in parts):
+            raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {s!r}")
+        try:
+            vals = tuple(one(p) for p in parts)
+        except argparse.ArgumentTypeError as e:
+            raise argparse.ArgumentTypeError(f"{e} in {s!r}" if len(parts) > 1 else str(e)) from None
+        if count is not None and len(vals) != count:
+            raise argparse.ArgumentTypeError(f"expected {count} comma-separated integers (low,high), got {s!r}")
+        if ordered and list(vals) != sorted(vals):
+            raise argparse.ArgumentTypeError(f"low must be <= high, got {s!r}")
+        return vals
+
+    return parse
+
+
+# ----------------------------------------------------------------------------
+# checks done before a run starts
+
+
+def _check_output(path: str | None, flag: str) -> None:
+    """An output file must be creatable: not a directory, in an existing,
+    writable directory."""
+    if path is None:
+        return
+    if os.path.isdir(path):
+        raise CliError(f"{flag} {path!r} is a directory, expected a file path", EXIT_USAGE)
+    parent = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(parent):
+        raise CliError(f"{flag} {path!r}: directory {parent!r} does not exist", EXIT_USAGE)
+    if not os.access(parent, os.W_OK) or (os.path.exists(path) and not os.access(path, os.W_OK)):
+        raise CliError(f"{flag} {path!r}: not writable", EXIT_USAGE)
+
+
+def _check_plot_deps(path: str | None) -> None:
+    if path is not None and importlib.util.find_spec("matplotlib") is None:
+        raise CliError("--plot needs matplotlib, which is not installed: pip install 'mtpstate[plot]'")
+
+
+def _check_input(path: str) -> None:
+    if not os.path.exists(path):
+        raise CliError(f"trace file {path!r}: no such file")
+    if os.path.isdir(path):
+        raise CliError(f"trace file {path!r} is a directory")
+    if not os.access(path, os.R_OK):
+        raise CliError(f"trace file {path!r}: not readable")
+
+
+def _wrote(path: str, what: str = "") -> None:
+    print(f"wrote {path}" + (f": {what}" if what else ""))
+
+
+class _Bar:
+    """A progress bar on stderr, drawn only on a terminal (no ``\\r`` frames
+    in pipes and CI logs)."""
+
+    def __init__(self, label: str, total: int):
+        self.label, self.total = label, max(total, 1)
+        self.on = sys.stderr.isatty()
+        self.t0 = time.perf_counter()
+
+    def __call__(self, done: int) -> None:
+        if not self.on or (done != self.total and done % max(1, self.total // 100)):
+            return
+        fill = 30 * done // self.total
+        print(f"\r  {self.label} [{'#' * fill}{'.' * (30 - fill)}] {done}/{self.total}", end="", file=sys.stderr)
+        if done >= self.total:
+            print(file=sys.stderr)
+        sys.stderr.flush()
+
+
+# ----------------------------------------------------------------------------
+# the parser
+
+
+def _sim_defaults():
+    from mtpstate.sim import SimConfig
+
+    return SimConfig()
+
+
+SIM_HELP = """\
+Simulate an MTP-speculating scheduler and record its steps to a trace file.
+
+The defaults below are a busier workload than SimConfig()'s (MTP drafts,
+preemptions, aborts, prefix hits and remote KV switched on), so that a trace
+exercises every kind of step.
+
+example:
+  mtpstate sim --steps 500 --seed 1 --num-spec 3 --accept 0.7 --out run.trace"""
+
+REPLAY_HELP = """\
+Replay a trace through the implementations; time each step and measure how
+far each one's num_computed_tokens drifts from the scheduler's.
+
+example:
+  mtpstate replay run.trace --impl all --json replay.json --plot drift.png"""
+
+BENCH_HELP = """\
+RequestTable and RequestIndex against the per-request loop and the dict, on
+identical steps in one run (paired, interleaved). The full run takes several
+minutes on 2 cores; --quick about half a minute.
+
+examples:
+  mtpstate bench --quick
+  mtpstate bench --only vllm --sizes 1,1024,4096 --json out.json --plot out.png"""
+
+WARMUP_HELP = """\
+Compile mtpstate's kernels now (or load them from numba's on-disk cache), so
+that no compilation lands on a serving process's first step. Run it in an
+installer or a container build, with the same NUMBA_CACHE_DIR the server uses.
+
+example:
+  NUMBA_CACHE_DIR=/opt/numba-cache mtpstate warmup"""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from mtpstate.bench import version_string
+
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--debug", action="store_true", help="show the traceback of an error")
+    # before the command too; its own dest, or the command's default would reset it
+    top = argparse.ArgumentParser(add_help=False)
+    top.add_argument("--debug", dest="debug_top", action="store_true", help="show the traceback of an error")
+
+    p = _Parser(
+        prog="mtpstate",
+        description="Batched request state for LLM serving engines: tools for perf engineers.",
+        epilog="examples:\n  mtpstate bench --quick\n  mtpstate sim --steps 500 --out run.trace\n"
+        "  mtpstate replay run.trace\n  mtpstate warmup",
+        formatter_class=_Formatter,
+        parents=[top],
+    )
+    p.add_argument("--version", action="version", version=f"mtpstate {version_string()}")
+    sub = p.add_subparsers(dest="cmd", metavar="COMMAND", parser_class=_Parser)
+
+    d = _sim_defaults()
+    s = sub.add_parser(
+        "sim",
+        help="simulate a scheduler and record a trace",
+        description=SIM_HELP,
+        formatter_class=_Formatter,
+        parents=[common],
+    )
+    s.add_argument("--steps", type=_int(1), required=True, help="scheduler steps to simulate")
+    s.add_argument("--out", required=True, metavar="FILE", help="trace file to write")
+    s.add_argument("--seed", type=_int(0), default=d.seed, help="random seed")
+    s.add_argument("--num-spec", type=_int(0, 64), default=2, help="MTP draft tokens per decode step")
+    s.add_argument("--accept", type=_float(0.0, 1.0), default=d.accept, help="per-draft acceptance probability")
+    s.add_argument("--max-num-reqs", type=_int(1), default=d.max_num_reqs, help="most requests running at once")
+    s.add_argument("--max-model-len", type=_int(8), default=d.max_model_len, help="prompt + output tokens, at most")
+    s.add_argument(
+        "--max-num-batched-tokens", type=_int(1), default=d.max_num_batched_tokens, help="token budget per step"
+    )
+    s.add_argument(
+        "--block-sizes",
+        type=_ints(1),
+        default=",".join(map(str, d.block_sizes)),
+        metavar="B[,B...]",
+        help="tokens per KV-cache block, one per KV-cache group",
+    )
+    s.add_argument("--arrivals", type=_float(0.0), default=d.arrivals_per_step, help="mean new requests per step")
+    for flag, rng in (("--prompt-len", d.prompt_len), ("--output-len", d.output_len)):
+        s.add_argument(
+            flag, type=_ints(1, 2, True), default=f"{rng[0]},{rng[1]}", metavar="LOW,HIGH", help="length range, tokens"
+        )
+    prob = _float(0.0, 1.0)
+    s.add_argument("--preempt", type=prob, default=0.05, help="per step: probability of preempting a request")
+    s.add_argument("--abort", type=prob, default=0.02, help="per step: probability of aborting a running request")
+    s.add_argument(
+        "--abort-waiting", type=prob, default=0.02, help="per step: probability of aborting a never-scheduled request"
+    )
+    s.add_argument("--prefix-hit", type=prob, default=0.1, help="probability that a new request hits the prefix cache")
+    s.add_argument("--remote-kv", type=prob, default=0.05, help="probability that a new request brings remote KV")
+    s.add_argument(
+        "--resume-mode",
+        choices=["new", "cached"],
+        default=d.resume_mode,
+        help="how a preempted request comes back: re-sent as new (Model Runner V2) or listed in resumed_req_ids",
+    )
+
+    r = sub.add_parser(
+        "replay",
+        help="replay a trace; time per step and drift from the scheduler",
+        description=REPLAY_HELP,
+        formatter_class=_Formatter,
+        parents=[common],
+    )
+    r.add_argument("file", help="trace file written by `mtpstate sim`")
+    r.add_argument(
+        "--impl", choices=["vectorized", "loop", "legacy", "all"], default="all", help="implementation(s) to replay"
+    )
+    r.add_argument("--json", metavar="FILE", help="write the results as JSON")
+    r.add_argument("--plot", metavar="FILE.png", help="plot drift per step (needs matplotlib)")
+
+    b = sub.add_parser(
+        "bench",
+        help="RequestTable / RequestIndex against the loop / dict, in one run",
+        description=BENCH_HELP,
+        formatter_class=_Formatter,
+        parents=[common],
+    )
+    b.add_argument("--quick", action="store_true", help="fewer sizes, steps and repeats")
+    b.add_argument(
+        "--sizes",
+        type=_ints(1, hi=65536),
+        metavar="N[,N...]",
+        help="running requests per step (default: 1,16,64,256,1024,4096,16384; with --quick 1,256,4096)",
+    )
+    b.add_argument("--only", choices=["table", "vllm", "index"], help="run one part (default: all three)")
+    b.add_argument("--json", metavar="FILE", help="write results and run metadata as JSON")
+    b.add_argument("--plot", metavar="FILE.png", help="write a plot, one panel per workload (needs matplotlib)")
+
+    sub.add_parser(
+        "warmup",
+        help="compile the kernels now (ahead of a server's first step)",
+        description=WARMUP_HELP,
+        formatter_class=_Formatter,
+        parents=[common],
+    )
+    return p
+
+
+# ----------------------------------------------------------------------------
+# commands
+
+
+def _cmd_sim(args, parser) -> None:
+    from mtpstate.sim import SimConfig
+    from mtpstate.trace import record
+
+    room = args.max_model_len - args.num_spec - 2
+    if args.prompt_len[1] > room:
+        parser.error(
+            f"argument --prompt-len: high {args.prompt_len[1]} leaves no room to decode within --max-model-len "
+            f"{args.max_model_len} (at most {room} with --num-spec {args.num_spec})"
+        )
+    _check_output(args.out, "--out")
+    cfg = SimConfig(
+        max_num_reqs=args.max_num_reqs,
+        max_model_len=args.max_model_len,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        block_sizes=args.block_sizes,
+        arrivals_per_step=args.arrivals,
+        prompt_len=args.prompt_len,
+        output_len=args.output_len,
+        num_spec=args.num_spec,
+        accept=args.accept,
+        preempt_prob=args.preempt,
+        abort_prob=args.abort,
+        abort_waiting_prob=args.abort_waiting,
+        prefix_hit_prob=args.prefix_hit,
+        remote_kv_prob=args.remote_kv,
+        resume_mode=args.resume_mode,
+        seed=args.seed,
+    )
+    bar = _Bar("sim", args.steps)
+    tr = record(cfg, args.steps, args.out, progress=lambda i, n: bar(i))
+    n_req = len({x for so in tr.steps for x in so.num_scheduled_tokens})
+    _wrote(args.out, f"{len(tr)} steps, {n_req} requests")
+
+
+def _cmd_replay(args, parser) -> None:
+    from mtpstate.replay import IMPLS, plot_drift, replay
+    from mtpstate.trace import TraceError, load
+
+    _check_input(args.file)
+    _check_output(args.json, "--json")
+    _check_output(args.plot, "--plot")
+    _check_plot_deps(args.plot)
+    try:
+        tr = load(args.file)
+    except TraceError as e:  # its message names the file
+        raise CliError(str(e)) from e
+    impls = IMPLS if args.impl == "all" else (args.impl,)
+    bars: dict = {}
+
+    def progress(impl, i, n):
+        bars.setdefault(impl, _Bar(f"{impl:<10}", n))(i)
+
+    res = replay(tr, impls, progress=progress)
+    print(f"{'impl':<12}{'us/step (mean)':>16}{'median':>10}{'max drift':>11}")
+    for impl, x in res["impls"].items():
+        print(f"{impl:<12}{x['us_per_step']:>16.1f}{x['median_us_per_step']:>10.1f}{x['max_drift']:>11}")
+    if res["agree"] is not None:
+        print("loop and vectorized agree on every step" if res["agree"] else "loop and vectorized DISAGREE")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(res, f)
+        _wrote(args.json)
+    if args.plot:
+        plot_drift(res, args.plot, title=f"drift from the scheduler: {args.file}")
+        _wrote(args.plot)
+
+
+def _cmd_bench(args, parser) -> None:
+    from mtpstate.bench import run
+
+    _check_output(args.json, "--json")
+    _check_output(args.plot, "--plot")
+    _check_plot_deps(args.plot)
+    what = (args.only,) if args.only else ("table", "vllm", "index")
+    run(quick=args.quick, sizes=args.sizes, json_path=args.json, plot_path=args.plot, what=what, wrote=_wrote)
+
+
+def _cmd_warmup(args, parser) -> None:
+    import mtpstate
+    from mtpstate._native import COMPILE_NOTICE
+
+    t = mtpstate.warmup()
+    how = "compiled now" if COMPILE_NOTICE.total_s > 0 else "loaded from numba's on-disk cache"
+    where = os.environ.get("NUMBA_CACHE_DIR") or "numba's default (__pycache__ next to mtpstate's modules)"
+    print(f"mtpstate kernels ready in {t:.1f} s ({how}); cache: {where}")
+
+
+COMMANDS = {"sim": _cmd_sim, "replay": _cmd_replay, "bench": _cmd_bench, "warmup": _cmd_warmup}
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="mtpstate", description="batched request state for LLM serving engines")
-    sub = p.add_subparsers(dest="cmd", required=True)
-
-    s = sub.add_parser("sim", help="simulate a scheduler and record a trace")
-    s.add_argument("--steps", type=int, required=True)
-    s.add_argument("--seed", type=int, default=0)
-    s.add_argument("--out", required=True, help="trace file to write")
-    s.add_argument("--num-spec", type=int, default=2, help="MTP draft tokens per decode step")
-    s.add_argument("--accept", type=float, default=0.7, help="per-draft acceptance probability")
-    s.add_argument("--max-num-reqs", type=int, default=64)
-    s.add_argument("--max-model-len", type=int, default=4096)
-    s.add_argument("--max-num-batched-tokens", type=int, default=8192)
-    s.add_argument("--block-sizes", type=_ints, default=(16,), help="comma-separated, one per KV-cache group")
-    s.add_argument("--arrivals", type=float, default=2.0, help="mean new requests per step")
-    s.add_argument("--prompt-len", type=_ints, default=(16, 512), help="low,high")
-    s.add_argument("--output-len", type=_ints, default=(8, 256), help="low,high")
-    s.add_argument("--preempt", type=float, default=0.05)
-    s.add_argument("--abort", type=float, default=0.02)
-    s.add_argument("--abort-waiting", type=float, default=0.02)
-    s.add_argument("--prefix-hit", type=float, default=0.1)
-    s.add_argument("--remote-kv", type=float, default=0.05)
-    s.add_argument("--resume-mode", choices=["new", "cached"], default="new")
-
-    r = sub.add_parser("replay", help="replay a trace; time per step and drift from the scheduler")
-    r.add_argument("file")
-    r.add_argument("--impl", choices=["vectorized", "loop", "legacy", "all"], default="all")
-    r.add_argument("--json", metavar="OUT", help="write the results as JSON")
-    r.add_argument("--plot", metavar="FILE.png", help="plot drift per step (needs matplotlib)")
-
-    b = sub.add_parser("bench", help="RequestTable / RequestIndex against the loop / dict, in one run")
-    b.add_argument("--quick", action="store_true", help="fewer sizes and repeats (well under a minute)")
-    b.add_argument("--sizes", type=_ints, help="comma-separated N values")
-    b.add_argument("--only", choices=["table", "vllm", "index"], help="run one part")
-    b.add_argument("--json", metavar="FILE", help="write results as JSON")
-    b.add_argument("--plot", metavar="FILE.png", help="write a plot (needs matplotlib)")
-    args = p.parse_args(argv)
-
-    if args.cmd == "sim":
-        from mtpstate.sim import SimConfig
-        from mtpstate.trace import record
-
-        cfg = SimConfig(
-            max_num_reqs=args.max_num_reqs,
-            max_model_len=args.max_model_len,
-            max_num_batched_tokens=args.max_num_batched_tokens,
-            block_sizes=args.block_sizes,
-            arrivals_per_step=args.arrivals,
-            prompt_len=args.prompt_len,
-            output_len=args.output_len,
-            num_spec=args.num_spec,
-            accept=args.accept,
-            preempt_prob=args.preempt,
-            abort_prob=args.abort,
-            abort_waiting_prob=args.abort_waiting,
-            prefix_hit_prob=args.prefix_hit,
-            remote_kv_prob=args.remote_kv,
-            resume_mode=args.resume_mode,
-            seed=args.seed,
-        )
-        tr = record(cfg, args.steps, args.out, progress=lambda i, n: _bar("sim", i, n))
-        n_req = len({x for so in tr.steps for x in so.num_scheduled_tokens})
-        print(f"wrote {args.out}: {len(tr)} steps, {n_req} requests")
-    elif args.cmd == "replay":
-        from mtpstate.replay import IMPLS, plot_drift, replay
-        from mtpstate.trace import load
-
-        tr = load(args.file)
-        impls = IMPLS if args.impl == "all" else (args.impl,)
-        res = replay(tr, impls, progress=lambda impl, i, n: _bar(f"{impl:<10}", i, n))
-        print(f"{'impl':<12}{'us/step (mean)':>16}{'median':>10}{'max drift':>11}")
-        for impl, x in res["impls"].items():
-            print(f"{impl:<12}{x['us_per_step']:>16.1f}{x['median_us_per_step']:>10.1f}{x['max_drift']:>11}")
-        if res["agree"] is not None:
-            print("loop and vectorized agree on every step" if res["agree"] else "loop and vectorized DISAGREE")
-        if args.json:
-            with open(args.json, "w") as f:
-                json.dump(res, f)
-        if args.plot:
-            plot_drift(res, args.plot, title=f"drift from the scheduler: {args.file}")
-    elif args.cmd == "bench":
-        from mtpstate.bench import run
-
-        what = (args.only,) if args.only else ("table", "vllm", "index")
-        run(quick=args.quick, sizes=args.sizes, json_path=args.json, plot_path=args.plot, what=what)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.cmd is None:
+        parser.error(f"missing a command, one of: {', '.join(COMMANDS)}")
+    sub = parser._subparsers._group_actions[0].choices[args.cmd]  # for usage errors found after parsing
+    prog = f"mtpstate {args.cmd}"
+    args.debug = args.debug or args.debug_top
+    try:
+        COMMANDS[args.cmd](args, sub)
+    except CliError as e:
+        if args.debug:
+            raise
+        print(f"{prog}: error: {e}", file=sys.stderr)
+        return e.status
+    except KeyboardInterrupt:
+        print(f"{prog}: interrupted", file=sys.stderr)
+        return 130
+    except Exception as e:  # an unexpected failure: still one line unless --debug
+        if args.debug:
+            raise
+        print(f"{prog}: error: {type(e).__name__}: {e} (run again with --debug for the traceback)", file=sys.stderr)
+        return EXIT_RUNTIME
     return 0
 
 

@@ -98,6 +98,34 @@ class SimConfig:
     fresh_ids: bool = False  # unused by the simulator; replay may re-create id strings
     seed: int = 0
 
+    def __post_init__(self):
+        """Reject knobs the simulator cannot honour, naming the field (a
+        ``ValueError``, before any step is simulated)."""
+
+        def bad(name, why):
+            raise ValueError(f"SimConfig.{name}: {why}, got {getattr(self, name)!r}")
+
+        for name in ("max_num_reqs", "max_num_batched_tokens"):
+            if getattr(self, name) < 1:
+                bad(name, "must be >= 1")
+        if self.num_spec < 0:
+            bad("num_spec", "must be >= 0")
+        if self.max_model_len < self.num_spec + 3:
+            bad("max_model_len", f"must leave room for a prompt and {self.num_spec} drafts")
+        if not self.block_sizes or any(b < 1 for b in self.block_sizes):
+            bad("block_sizes", "needs one size >= 1 per KV-cache group")
+        for name in ("prompt_len", "output_len"):
+            lo, hi = getattr(self, name)
+            if not 1 <= lo <= hi:
+                bad(name, "must be (low, high) with 1 <= low <= high")
+        if not self.arrivals_per_step >= 0:
+            bad("arrivals_per_step", "must be >= 0")
+        for name in ("accept", "preempt_prob", "abort_prob", "abort_waiting_prob", "prefix_hit_prob", "remote_kv_prob"):
+            if not 0 <= getattr(self, name) <= 1:
+                bad(name, "must be a probability in [0, 1]")
+        if self.resume_mode not in ("new", "cached"):
+            bad("resume_mode", 'must be "new" or "cached"')
+
 
 class _Req:
     __slots__ = (

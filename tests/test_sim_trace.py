@@ -1,16 +1,13 @@
 """Simulator invariants, trace round-trip and rejection of bad files, replay
-results and the command line."""
+results (the command line: test_cli.py)."""
 
-import json
 import math
 import pickle
 
-import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from mtpstate.cli import main
 from mtpstate.replay import replay
 from mtpstate.sim import SimConfig, Simulator
 from mtpstate.trace import TraceError, load, record, save
@@ -166,49 +163,6 @@ def test_replay_drift(tmp_path):
     assert replay(load(path2), ("legacy",))["impls"]["legacy"]["max_drift"] == 0
 
 
-def test_cli_sim_replay_bench(tmp_path, capsys):
-    trace = tmp_path / "cli.trace"
-    assert (
-        main(
-            [
-                "sim",
-                "--steps",
-                "60",
-                "--seed",
-                "5",
-                "--num-spec",
-                "2",
-                "--accept",
-                "0.6",
-                "--max-num-reqs",
-                "8",
-                "--out",
-                str(trace),
-            ]
-        )
-        == 0
-    )
-    out_json = tmp_path / "r.json"
-    plot = tmp_path / "r.png"
-    assert main(["replay", str(trace), "--impl", "all", "--json", str(out_json), "--plot", str(plot)]) == 0
-    res = json.loads(out_json.read_text())
-    assert res["steps"] == 60 and set(res["impls"]) == {"vectorized", "loop", "legacy"}
-    for impl in res["impls"].values():
-        assert isinstance(impl["max_drift"], int) and impl["us_per_step"] > 0
-    assert plot.stat().st_size > 1000
-    bench_json = tmp_path / "b.json"
-    assert (
-        main(["bench", "--quick", "--sizes", "1,16", "--json", str(bench_json), "--plot", str(tmp_path / "b.png")]) == 0
-    )
-    b = json.loads(bench_json.read_text())
-    assert {"machine", "results"} <= set(b)
-    r0 = b["results"][0]
-    assert {"workload", "n", "impl", "median_us", "p10_us", "p90_us"} <= set(r0)
-    assert {r["impl"] for r in b["results"]} >= {"loop", "vectorized", "dict", "index"}
-    assert "speedup" in capsys.readouterr().out
-    assert np.isfinite([r["median_us"] for r in b["results"]]).all()
-
-
 def test_compare_with_vllm_shaped_objects():
     """A step compares equal, by attribute name, to a foreign object with
     vLLM's attribute names and other container types."""
@@ -243,3 +197,12 @@ def test_compare_with_vllm_shaped_objects():
                 n + 1 for n in so.scheduled_cached_reqs.num_computed_tokens
             ]
             assert step_differences(so, foreign) == ["scheduled_cached_reqs.num_computed_tokens"]
+
+
+@pytest.mark.parametrize(
+    "field,value",
+    [("block_sizes", (0,)), ("prompt_len", (10, 5)), ("accept", 1.5), ("num_spec", -1), ("max_num_reqs", 0)],
+)
+def test_sim_config_rejects_nonsense(field, value):
+    with pytest.raises(ValueError, match=f"SimConfig.{field}"):
+        SimConfig(**{field: value})
