@@ -1,5 +1,7 @@
-# Two commands on a fresh machine with Python 3.11 and pip: `make test`, `make bench`.
+# Two commands on a fresh machine with Python >= 3.10 and pip: `make test`, `make bench`.
 PYTHON ?= python3
+# the CPU build of torch for the device-mirror tests; never the multi-GB CUDA build
+TORCH_CPU ?= torch==2.13.0+cpu
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
@@ -10,6 +12,8 @@ $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -e '.[dev]'
+	$(PY) -m pip install -q --only-binary :all: '$(TORCH_CPU)' \
+	  || echo "note: no CPU build of torch for this Python/platform ($(TORCH_CPU)); the device-mirror tests will skip"
 	touch $(STAMP)
 
 test: $(STAMP)

@@ -1,0 +1,51 @@
+"""The README's Python snippet runs as written, and every `mtpstate ...`
+command in README.md and docs/ is accepted by the command line's parser."""
+
+import re
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from mtpstate.cli import build_parser
+
+ROOT = Path(__file__).resolve().parent.parent
+DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+
+
+def python_blocks(text):
+    return re.findall(r"```python\n(.*?)```", text, re.S)
+
+
+def test_readme_snippet_runs(tmp_path):
+    readme = (ROOT / "README.md").read_text()
+    use = readme.split("## Use", 1)[1]
+    snippet = python_blocks(use)[0]
+    p = subprocess.run([sys.executable, "-c", snippet], capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert p.returncode == 0, p.stderr
+    assert "Traceback" not in p.stderr
+
+
+def commands():
+    out = []
+    for doc in DOCS:
+        for block in re.findall(r"```bash\n(.*?)```", doc.read_text(), re.S):
+            for line in block.splitlines():
+                line = line.split("  #", 1)[0].strip()
+                if line.startswith("mtpstate "):
+                    out.append((doc.name, line))
+        for inline in re.findall(r"`(mtpstate [^`]+)`", doc.read_text()):
+            if " --" in inline and "[" not in inline:  # a full command, not a mention
+                out.append((doc.name, inline))
+    return out
+
+
+@pytest.mark.parametrize("doc,line", commands(), ids=[f"{d}: {c}" for d, c in commands()])
+def test_documented_commands_parse(doc, line):
+    argv = shlex.split(line)[1:]
+    argv = [a for a in argv if not (a.startswith("[") or a.endswith("]"))]  # optional parts of a synopsis
+    if "--help" in argv or "--version" in argv:
+        return
+    build_parser().parse_args(argv)  # exits with status 2 on a flag or value the parser rejects
