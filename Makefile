@@ -6,7 +6,15 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: test test-slow test-nojit bench bench-suite lint clean
+.PHONY: test test-slow test-nojit test-vllm bench bench-suite bench-vllm lint clean
+
+# vLLM 0.34.0 tier: its unpacked sdist (nothing built) + its pure-Python deps
+VLLM_DIR := .vllm
+VLLM_SRC := $(VLLM_DIR)/vllm-0.34.0
+VVENV := .venv-vllm
+VPY := $(VVENV)/bin/python
+VSTAMP := $(VVENV)/.installed
+VRUN := PYTHONPATH=$(CURDIR)/$(VLLM_SRC) VLLM_LOGGING_LEVEL=ERROR
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -24,6 +32,20 @@ test: $(STAMP)
 test-slow: $(STAMP)
 	HYPOTHESIS_PROFILE=slow $(PY) -m pytest -q -m 'slow or not slow'
 
+$(VSTAMP): pyproject.toml integrations/vllm/requirements.txt
+	test -x $(VPY) || $(PYTHON) -m venv $(VVENV)
+	$(VPY) -m pip install -q --upgrade pip
+	$(VPY) -m pip install -q --only-binary :all: -r integrations/vllm/requirements.txt
+	$(VPY) -m pip install -q -e '.[dev]'
+	$(VPY) integrations/vllm/fetch_vllm.py $(VLLM_DIR)
+	touch $(VSTAMP)
+
+test-vllm: $(VSTAMP)
+	$(VRUN) $(VPY) -m pytest -q -p no:cacheprovider integrations/vllm
+
+bench-vllm: $(VSTAMP)
+	$(VRUN) $(VPY) integrations/vllm/harness.py --bench --json docs/bench-vllm.json
+
 bench: $(STAMP)
 	$(VENV)/bin/mtpstate bench
 
@@ -35,4 +57,4 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff format --check mtpstate tests benchmarks
 
 clean:
-	rm -rf $(VENV) build *.egg-info
+	rm -rf $(VENV) $(VVENV) $(VLLM_DIR) build *.egg-info

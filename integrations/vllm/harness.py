@@ -1,0 +1,551 @@
+"""mtpstate against vLLM 0.34.0's own code, on CPU.
+
+vLLM's real ``Scheduler`` / ``AsyncScheduler`` (batch queue depth 2, as the
+engine core runs it) is driven by a fake model (no token for a partial prefill
+chunk; 1 + accepted tokens after drafts, with rejections; drafts fed back).
+Every step it emits goes, as the worker receives it (and also as a pickled
+copy), to
+
+- the reference: vLLM's real ``RequestState`` (states.py), ``BlockTables``
+  (block_table.py), staging (buffer_utils.py) and the real
+  ``GPUModelRunner.finish_requests / add_requests / update_requests``, run on
+  CPU (UVA buffers replaced by CPU tensors, the one Triton write kernel
+  emulated in numpy);
+- ``mtpstate.RequestTable`` (and, as a negative control,
+  ``LegacyRequestTable``, which must disagree under speculative decoding).
+
+After every step both are compared per request id (rows differ by design:
+vLLM's free list is LIFO). Needs vLLM's source on ``sys.path`` (``make
+test-vllm`` sets it up; nothing is built and no model is downloaded).
+
+Run: ``python integrations/vllm/harness.py [--workload NAME] [--bench]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import json
+import math
+import os
+import pickle
+import random
+import statistics
+import sys
+import tempfile
+import time
+from collections import deque
+from dataclasses import dataclass, replace
+
+import numpy as np
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+# ----------------------------------------------------------------------------
+# CPU shims: a platform that lets the config load on x86 without triton, and
+# the Triton write kernel of buffer_utils in numpy
+
+
+def install_cpu_shims() -> None:
+    import vllm.platforms as platforms
+    from vllm.platforms.interface import UnspecifiedPlatform
+
+    class HarnessPlatform(UnspecifiedPlatform):
+        device_type = "cpu"
+        device_name = "cpu"
+
+    platforms._current_platform = HarnessPlatform()
+
+    import vllm.v1.worker.cpu.buffer_utils as cpu_buffer_utils
+    from vllm.v1.worker.gpu import buffer_utils
+
+    # what vllm/v1/worker/cpu/shm.py does for the CPU runner: "UVA" = the CPU tensor
+    buffer_utils.UvaBuffer = cpu_buffer_utils.UvaBuffer
+    buffer_utils._apply_write_kernel = _NumpyWriteKernel()
+    buffer_utils._num_write_chunks = lambda max_len: 1
+
+
+class _NumpyWriteKernel:
+    """``_apply_write_kernel[grid](...)`` of buffer_utils.py, in numpy: write
+    ``contents[cu_lens[w-1]:cu_lens[w]]`` to row ``indices[w]`` of the output
+    from column ``starts[w]``; MULTI_GROUP: the output of write ``w`` is the
+    tensor at address ``output_ptr[group_ids[w]]`` with that group's stride."""
+
+    def __getitem__(self, grid):
+        return self._run
+
+    @staticmethod
+    def _run(out, stride, indices, starts, contents, cu_lens, group_ids, BLOCK_SIZE, MULTI_GROUP):  # noqa: N803
+        idx, st, cu = indices.numpy(), starts.numpy(), cu_lens.numpy()
+        c = contents.numpy()
+        for w in range(len(idx)):
+            lo = int(cu[w - 1]) if w else 0
+            hi = int(cu[w])
+            if MULTI_GROUP:
+                g = int(group_ids.numpy()[w])
+                base, rs = int(out.numpy()[g]), int(stride.numpy()[g])
+                n = hi - lo
+                addr = base + c.itemsize * (int(idx[w]) * rs + int(st[w]))
+                dst = np.frombuffer((ctypes.c_int32 * n).from_address(addr), dtype=np.int32) if n else None
+                if n:
+                    dst[:] = c[lo:hi]
+            else:
+                flat = out.view(-1).numpy()
+                pos = int(idx[w]) * int(stride) + int(st[w])
+                flat[pos : pos + hi - lo] = c[lo:hi]
+
+
+# ----------------------------------------------------------------------------
+# model and scheduler configs (hand-written: nothing from a model hub)
+
+TINY_LLAMA = {
+    "architectures": ["LlamaForCausalLM"],
+    "model_type": "llama",
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "num_hidden_layers": 2,
+    "vocab_size": 1000,
+    "max_position_embeddings": 8192,
+    "rms_norm_eps": 1e-5,
+    "torch_dtype": "float16",
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+}
+VOCAB = TINY_LLAMA["vocab_size"]
+
+
+@dataclass(frozen=True)
+class Workload:
+    name: str
+    steps: int = 400
+    async_scheduling: bool = False
+    num_spec: int = 0  # draft tokens per step (0: no speculative decoding)
+    accept: float = 0.7  # per-draft acceptance probability
+    max_num_seqs: int = 32
+    max_num_batched_tokens: int = 512
+    max_model_len: int = 2048
+    block_size: int = 16
+    num_blocks: int = 4000  # small -> preemptions
+    sliding_window: int = 0  # > 0: a second KV group (sliding window)
+    prefix_caching: bool = False
+    arrivals: float = 1.0  # mean new requests per step
+    prompt_len: tuple[int, int] = (8, 300)
+    max_tokens: tuple[int, int] = (4, 120)
+    abort: float = 0.02  # per step: abort one running or waiting request
+    shared_prefix: float = 0.0  # fraction of prompts starting with a shared prefix
+    unicode_ids: bool = False
+    seed: int = 0
+
+
+WORKLOADS = {
+    w.name: w
+    for w in (
+        Workload("sync-spec3-chunked", num_spec=3),
+        Workload("async-spec3", async_scheduling=True, num_spec=3, seed=1),
+        Workload("sync-preempt", num_spec=2, num_blocks=180, arrivals=1.5, seed=2),
+        Workload("async-preempt", async_scheduling=True, num_spec=1, num_blocks=180, arrivals=1.5, seed=3),
+        Workload(
+            "sync-prefix-two-groups", num_spec=4, sliding_window=64, prefix_caching=True, shared_prefix=0.6, seed=4
+        ),
+        Workload("async-unicode-no-spec", async_scheduling=True, unicode_ids=True, seed=5),
+        Workload(
+            "sync-256-running",
+            steps=250,
+            num_spec=3,
+            max_num_seqs=320,
+            max_num_batched_tokens=4096,
+            arrivals=12.0,
+            prompt_len=(8, 120),
+            max_tokens=(60, 200),
+            num_blocks=20000,
+            seed=6,
+        ),
+    )
+}
+
+
+def make_scheduler(w: Workload, model_dir: str):
+    import torch
+    from vllm.config import CacheConfig, ModelConfig, ParallelConfig, SchedulerConfig, SpeculativeConfig, VllmConfig
+    from vllm.v1.core.sched.async_scheduler import AsyncScheduler
+    from vllm.v1.core.sched.scheduler import Scheduler
+    from vllm.v1.core.single_type_kv_cache_manager import register_all_kvcache_specs
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, SlidingWindowSpec
+    from vllm.v1.structured_output import StructuredOutputManager
+
+    mc = ModelConfig(model=model_dir, skip_tokenizer_init=True, dtype="float16", seed=0, max_model_len=w.max_model_len)
+    sc = SchedulerConfig(
+        max_num_seqs=w.max_num_seqs,
+        max_num_batched_tokens=w.max_num_batched_tokens,
+        max_model_len=w.max_model_len,
+        enable_chunked_prefill=True,
+        async_scheduling=w.async_scheduling,
+        is_encoder_decoder=False,
+        watermark=0.0,
+    )
+    cc = CacheConfig(block_size=w.block_size, cache_dtype="auto", enable_prefix_caching=w.prefix_caching)
+    spec = None
+    if w.num_spec:
+        k = w.num_spec
+        spec = SpeculativeConfig(
+            model="ngram", method="ngram", num_speculative_tokens=k, prompt_lookup_max=k, prompt_lookup_min=1
+        )
+    vc = VllmConfig(
+        scheduler_config=sc, model_config=mc, cache_config=cc, parallel_config=ParallelConfig(), speculative_config=spec
+    )
+    full = FullAttentionSpec(block_size=w.block_size, num_kv_heads=1, head_size=1, dtype=torch.float32)
+    groups = [KVCacheGroupSpec(["full"], full)]
+    if w.sliding_window:
+        sw = SlidingWindowSpec(
+            block_size=w.block_size, num_kv_heads=1, head_size=1, dtype=torch.float32, sliding_window=w.sliding_window
+        )
+        groups.append(KVCacheGroupSpec(["sliding"], sw))
+    kvc = KVCacheConfig(num_blocks=w.num_blocks, kv_cache_tensors=[], kv_cache_groups=groups)
+    cc.num_gpu_blocks = w.num_blocks
+    register_all_kvcache_specs(vc)
+    cls = AsyncScheduler if w.async_scheduling else Scheduler
+    sched = cls(
+        vllm_config=vc,
+        kv_cache_config=kvc,
+        block_size=w.block_size,
+        log_stats=False,
+        structured_output_manager=StructuredOutputManager(vc),
+    )
+    return sched, [g.kv_cache_spec.block_size for g in groups]
+
+
+# ----------------------------------------------------------------------------
+# the reference: Model Runner V2's own state code and runner methods
+
+
+class _Null:
+    """Per-request hooks of the runner that hold no state this comparison
+    covers (model state, LoRA, draft-token handler)."""
+
+    def __getattr__(self, name):
+        return lambda *a, **k: None
+
+
+class MRV2Reference:
+    """The host side of vLLM 0.34's GPUModelRunner for one step: the real
+    ``finish_requests``, ``add_requests`` and ``update_requests`` methods,
+    bound to an object holding the real ``RequestState`` and ``BlockTables``."""
+
+    def __init__(self, max_num_reqs, max_model_len, max_num_batched_tokens, block_sizes, num_spec):
+        import torch
+        from vllm.v1.worker.gpu.block_table import BlockTables
+        from vllm.v1.worker.gpu.model_runner import GPUModelRunner
+        from vllm.v1.worker.gpu.states import RequestState
+
+        cpu = torch.device("cpu")
+        self.req_states = RequestState(max_num_reqs, max_model_len, max_num_batched_tokens, num_spec, VOCAB, cpu)
+        widths = [math.ceil(max_model_len / b) for b in block_sizes]
+        self.block_tables = BlockTables(block_sizes, max_num_reqs, max_num_batched_tokens, widths, cpu)
+        for name in ("pooling_runner", "speculator", "encoder_cache", "adaptive_verification", "sampler"):
+            setattr(self, name, None)
+        self.prompt_logprobs_worker = self.pp_handler = self.kv_block_zeroer = None
+        self.model_state = self.lora_state = self.draft_tokens_handler = _Null()
+        self.is_last_pp_rank = False  # the sampler's per-request state is not compared
+        self._runner = GPUModelRunner
+
+    def apply(self, so) -> None:
+        R = self._runner
+        R.finish_requests(self, so)
+        R.free_states(self, so) if hasattr(R, "free_states") else None
+        R.add_requests(self, so)
+        R.update_requests(self, so)
+        self.block_tables.apply_staged_writes()
+
+    def _remove_request(self, req_id):
+        return self._runner._remove_request(self, req_id)
+
+    def state(self) -> dict:
+        """Per request id: every field the comparison covers."""
+        rs, bt = self.req_states, self.block_tables
+        tokens = rs.all_token_ids.gpu.numpy()
+        tables = [t.gpu.numpy() for t in bt.block_tables]
+        out = {}
+        for rid, r in rs.req_id_to_index.items():
+            pl = int(rs.prefill_len.np[r])
+            nb = [int(bt.num_blocks.np[g, r]) for g in range(len(tables))]
+            out[rid] = {
+                "num_computed_tokens": int(rs.num_computed_tokens_np[r]),
+                "num_computed_prefill_tokens": int(rs.num_computed_prefill_tokens[r]),
+                "prefill_len": pl,
+                "prompt_len": int(rs.prompt_len.np[r]),
+                "max_seq_len": int(rs.max_seq_len[r]),
+                "num_blocks": nb,
+                "blocks": [tables[g][r, : nb[g]].tolist() for g in range(len(tables))],
+                "prefill_token_ids": tokens[r, :pl].tolist(),
+                "is_prefilling": int(rs.num_computed_prefill_tokens[r]) < pl,
+            }
+        return out
+
+
+def table_state(t) -> dict:
+    """The same fields from an mtpstate table (RequestTable or a loop table)."""
+    out = {}
+    if hasattr(t, "index"):
+        pairs = [(t.index.req_id(int(r)), int(r)) for r in t.index.live_rows()]
+    else:
+        pairs = list(t.req_id_to_index.items())
+    for rid, r in pairs:
+        pl = int(t.prefill_len[r])
+        nb = [int(t.num_blocks[g, r]) for g in range(t.num_groups)]
+        out[rid] = {
+            "num_computed_tokens": int(t.num_computed_tokens[r]),
+            "num_computed_prefill_tokens": int(t.num_computed_prefill_tokens[r]),
+            "prefill_len": pl,
+            "prompt_len": int(t.prompt_len[r]),
+            "max_seq_len": int(t.max_seq_len[r]),
+            "num_blocks": nb,
+            "blocks": [t.block_tables[g][r, : nb[g]].tolist() for g in range(t.num_groups)],
+            "prefill_token_ids": t.token_ids[r, :pl].tolist(),
+            "is_prefilling": bool(t.is_prefilling(np.array([r]))[0]),
+        }
+    return out
+
+
+def diff_states(ref: dict, got: dict, limit: int = 5) -> list[str]:
+    """Disagreements, per request id and field (empty: they agree)."""
+    out = []
+    if set(ref) != set(got):
+        a, b = sorted(set(ref) - set(got))[:3], sorted(set(got) - set(ref))[:3]
+        out.append(f"live ids: only in vLLM {a}, only here {b}")
+    for rid in sorted(set(ref) & set(got)):
+        for k, v in ref[rid].items():
+            if got[rid][k] != v:
+                out.append(f"{rid!r}.{k}: vLLM {str(v)[:60]} vs {str(got[rid][k])[:60]}")
+                if len(out) >= limit:
+                    return out
+    return out
+
+
+# ----------------------------------------------------------------------------
+# the driver: vLLM's scheduler with a fake model
+
+
+class Driver:
+    """Runs a workload through vLLM's scheduler, yielding each
+    SchedulerOutput in the order a worker receives it."""
+
+    def __init__(self, w: Workload, model_dir: str):
+        from vllm.sampling_params import SamplingParams
+        from vllm.utils.hashing import sha256
+        from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+
+        self.w = w
+        self.sched, self.block_sizes = make_scheduler(w, model_dir)
+        self.rng = random.Random(w.seed)
+        self.SamplingParams = SamplingParams
+        init_none_hash(sha256)
+        self.hasher = get_request_block_hasher(w.block_size, sha256) if w.prefix_caching else None
+        self.prefix = [self.rng.randrange(3, VOCAB) for _ in range(96)]
+        self.n = 0
+
+    def _new_request(self):
+        from vllm.v1.request import Request
+
+        w, rng = self.w, self.rng
+        plen = rng.randint(*w.prompt_len)
+        prompt = [rng.randrange(3, VOCAB) for _ in range(plen)]
+        if rng.random() < w.shared_prefix:
+            prompt = self.prefix[: min(plen, len(self.prefix))] + prompt[len(self.prefix) :]
+        suffix = f"{rng.getrandbits(32):08x}"
+        rid = f"cmpl-{self.n}-{suffix}" if not w.unicode_ids else f"請求-{self.n}-é-{suffix}"
+        self.n += 1
+        sp = self.SamplingParams(max_tokens=rng.randint(*w.max_tokens), ignore_eos=True)
+        return Request(rid, prompt, sp, None, block_hasher=self.hasher)
+
+    def _fake_output(self, so):
+        """The model's output for ``so``, decided when it is scheduled: no
+        token for a partial prefill chunk; 1 + accepted drafts otherwise."""
+        from vllm.v1.outputs import DraftTokenIds, ModelRunnerOutput
+
+        req_ids, sampled, drafts = [], [], []
+        spec = so.scheduled_spec_decode_tokens
+        for rid in so.num_scheduled_tokens:
+            req = self.sched.requests.get(rid)
+            req_ids.append(rid)
+            if req is None or req.is_prefill_chunk:
+                sampled.append([])
+                continue
+            n = 1
+            for _ in spec.get(rid, ()):
+                if self.rng.random() >= self.w.accept:
+                    break
+                n += 1
+            sampled.append([self.rng.randrange(3, VOCAB) for _ in range(n)])
+            drafts.append((rid, [self.rng.randrange(3, VOCAB) for _ in range(self.w.num_spec)]))
+        out = ModelRunnerOutput(req_ids=req_ids, sampled_token_ids=sampled)
+        d = DraftTokenIds([r for r, _ in drafts], [t for _, t in drafts]) if self.w.num_spec and drafts else None
+        return out, d
+
+    def _abort_some(self):
+        from vllm.v1.request import RequestStatus
+
+        if self.sched.requests and self.rng.random() < self.w.abort:
+            rid = self.rng.choice(sorted(self.sched.requests))
+            self.sched.finish_requests([rid], RequestStatus.FINISHED_ABORTED)
+
+    def steps(self):
+        """SchedulerOutputs, in the order the engine core emits them."""
+        depth = 2 if self.w.async_scheduling else 1
+        queue: deque = deque()
+        emitted = 0
+        while emitted < self.w.steps:
+            k = np.random.default_rng(self.rng.getrandbits(32)).poisson(self.w.arrivals)
+            for _ in range(k):
+                self.sched.add_request(self._new_request())
+            self._abort_some()
+            if self.sched.has_requests():
+                so = self.sched.schedule()
+                out, drafts = self._fake_output(so)
+                queue.appendleft((so, out, drafts))
+                emitted += 1
+                yield so
+                if len(queue) < depth:
+                    continue
+            if not queue:
+                continue
+            so, out, drafts = queue.pop()
+            self.sched.update_from_output(so, out)
+            if drafts is not None and not self.w.async_scheduling:
+                self.sched.update_draft_token_ids(drafts)
+
+
+# ----------------------------------------------------------------------------
+# one differential run
+
+
+def write_model_dir() -> str:
+    d = tempfile.mkdtemp(prefix="mtpstate-tiny-llama-")
+    with open(os.path.join(d, "config.json"), "w") as f:
+        json.dump(TINY_LLAMA, f)
+    return d
+
+
+def run_workload(w: Workload, model_dir: str, check_pickled: bool = True, control: bool = True) -> dict:
+    """Drive ``w``; compare mtpstate (and a pickled copy of each step) with the
+    reference after every step. Returns counts of steps and disagreements."""
+    import mtpstate
+    from mtpstate.reference import LegacyRequestTable
+
+    drv = Driver(w, model_dir)
+    kw = dict(max_num_reqs=w.max_num_seqs, max_model_len=w.max_model_len, block_sizes=drv.block_sizes)
+    ref = MRV2Reference(w.max_num_seqs, w.max_model_len, w.max_num_batched_tokens, drv.block_sizes, w.num_spec)
+    ours = mtpstate.RequestTable(**kw)
+    ours_pickled = mtpstate.RequestTable(**kw) if check_pickled else None
+    legacy = LegacyRequestTable(**kw) if control else None
+    res = {"workload": w.name, "steps": 0, "disagreements": 0, "control_disagreements": 0, "first": []}
+    kinds = {"new": 0, "cached": 0, "finished": 0, "preempted": 0, "spec_tokens": 0, "max_running": 0, "prefix_hits": 0}
+    for so in drv.steps():
+        blob = pickle.dumps(so)
+        ref.apply(so)
+        ours.apply(so)
+        expect = ref.state()
+        bad = diff_states(expect, table_state(ours))
+        if ours_pickled is not None:
+            ours_pickled.apply(pickle.loads(blob))
+            bad += [f"(pickled) {b}" for b in diff_states(expect, table_state(ours_pickled))]
+        if legacy is not None:
+            legacy.apply(pickle.loads(blob))
+            if diff_states(expect, table_state(legacy), limit=1):
+                res["control_disagreements"] += 1
+        res["steps"] += 1
+        if bad:
+            res["disagreements"] += 1
+            if len(res["first"]) < 3:
+                res["first"].append((res["steps"], bad[:5]))
+        kinds["new"] += len(so.scheduled_new_reqs)
+        kinds["prefix_hits"] += sum(1 for r in so.scheduled_new_reqs if r.num_computed_tokens > 0)
+        kinds["cached"] += len(so.scheduled_cached_reqs.req_ids)
+        kinds["finished"] += len(so.finished_req_ids)
+        kinds["preempted"] += len(so.preempted_req_ids or ())
+        kinds["spec_tokens"] += sum(len(v) for v in so.scheduled_spec_decode_tokens.values())
+        kinds["max_running"] = max(kinds["max_running"], len(so.num_scheduled_tokens))
+    res["kinds"] = kinds
+    res["python_path_steps"] = ours.python_path_steps  # steps that needed a Python conversion (0 expected)
+    return res
+
+
+# ----------------------------------------------------------------------------
+# paired timing on the real steps
+
+
+def bench_workload(w: Workload, model_dir: str, repeats: int = 5) -> dict:
+    """Record the workload's steps once, then time, per step and interleaved,
+    MRV2's host path (finish/add/update, then the batch -> row mapping of
+    ``gather_batch_req_state``) against ``RequestTable.apply`` + ``rows`` for
+    the same batch order, each on a freshly unpickled step (as a worker
+    process receives it). The batch order (vLLM's ``sort_batch_req_ids``) is
+    computed outside the timed region: both sides need it."""
+    from vllm.v1.worker.gpu.model_runner import sort_batch_req_ids
+
+    import mtpstate
+
+    drv = Driver(w, model_dir)
+    blobs = [pickle.dumps(so) for so in drv.steps()]
+    kw = dict(max_num_reqs=w.max_num_seqs, max_model_len=w.max_model_len, block_sizes=drv.block_sizes)
+    dq = 1 + w.num_spec
+    t_ref, t_ours = [], []
+    for _ in range(repeats):
+        ref = MRV2Reference(w.max_num_seqs, w.max_model_len, w.max_num_batched_tokens, drv.block_sizes, w.num_spec)
+        ours = mtpstate.RequestTable(**kw)
+        for b in blobs:
+            s1, s2 = pickle.loads(b), pickle.loads(b)
+            o1 = sort_batch_req_ids(s1.num_scheduled_tokens, s1.scheduled_spec_decode_tokens, dq)
+            o2 = sort_batch_req_ids(s2.num_scheduled_tokens, s2.scheduled_spec_decode_tokens, dq)
+            t0 = time.perf_counter()
+            ref.apply(s1)
+            m1 = np.fromiter(map(ref.req_states.req_id_to_index.__getitem__, o1), np.intp, len(o1))
+            t1 = time.perf_counter()
+            ours.apply(s2)
+            m2 = ours.rows(o2)
+            t2 = time.perf_counter()
+            t_ref.append(t1 - t0)
+            t_ours.append(t2 - t1)
+            assert len(m1) == len(m2) == len(o1)
+    ratios = np.array(t_ref) / np.array(t_ours)
+    return {
+        "workload": w.name,
+        "steps": len(blobs),
+        "repeats": repeats,
+        "mrv2_median_us": statistics.median(t_ref) * 1e6,
+        "mtpstate_median_us": statistics.median(t_ours) * 1e6,
+        "speedup": statistics.median(t_ref) / statistics.median(t_ours),
+        "paired_median": float(np.median(ratios)),
+        "paired_p10": float(np.percentile(ratios, 10)),
+        "paired_p90": float(np.percentile(ratios, 90)),
+    }
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--workload", choices=sorted(WORKLOADS), action="append", help="default: all")
+    p.add_argument("--steps", type=int, help="override each workload's step count")
+    p.add_argument("--bench", action="store_true", help="paired timing instead of the differential")
+    p.add_argument("--json", metavar="FILE")
+    args = p.parse_args(argv)
+    install_cpu_shims()
+    model_dir = write_model_dir()
+    names = args.workload or sorted(WORKLOADS)
+    results, failed = [], False
+    for name in names:
+        w = WORKLOADS[name] if args.steps is None else replace(WORKLOADS[name], steps=args.steps)
+        t0 = time.perf_counter()
+        r = bench_workload(w, model_dir) if args.bench else run_workload(w, model_dir)
+        r["seconds"] = time.perf_counter() - t0
+        results.append(r)
+        print(json.dumps(r), flush=True)
+        failed |= (not args.bench) and (r["disagreements"] > 0 or (w.num_spec > 0 and r["control_disagreements"] == 0))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=1)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

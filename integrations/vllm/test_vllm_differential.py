@@ -1,0 +1,45 @@
+"""`make test-vllm`: mtpstate against vLLM 0.34.0's real scheduler and real
+Model Runner V2 state code (see harness.py). Several thousand real steps,
+0 disagreements; the legacy table (increments num_computed_tokens) must
+disagree under speculative decoding, which shows the comparison can fail."""
+
+import os
+import sys
+from dataclasses import replace
+
+import pytest
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import harness  # noqa: E402
+
+STEPS = int(os.environ.get("MTPSTATE_VLLM_STEPS", "800"))
+
+
+@pytest.fixture(scope="module")
+def model_dir():
+    harness.install_cpu_shims()
+    return harness.write_model_dir()
+
+
+@pytest.mark.parametrize("name", sorted(harness.WORKLOADS))
+def test_agrees_with_vllm(model_dir, name):
+    w = harness.WORKLOADS[name]
+    w = replace(w, steps=min(w.steps * STEPS // 400, STEPS))
+    r = harness.run_workload(w, model_dir)
+    print(r)
+    assert r["steps"] == w.steps
+    assert r["disagreements"] == 0, r["first"]
+    assert r["python_path_steps"] == 0  # vLLM's TokenBuffers and lists are read in place
+    if w.num_spec:  # the negative control: the pre-fix engine drifts under speculative decoding
+        assert r["control_disagreements"] > 0
+    k = r["kinds"]
+    assert k["new"] > 0 and k["cached"] > 0 and k["finished"] > 0
+    if "preempt" in name:
+        assert k["preempted"] > 0
+    if "256" in name:
+        assert k["max_running"] >= 256
+    if w.num_spec:
+        assert k["spec_tokens"] > 0
+    if w.prefix_caching:
+        assert k["prefix_hits"] > 0
