@@ -113,6 +113,40 @@ TINY_LLAMA = {
     "bos_token_id": 1,
     "eos_token_id": 2,
 }
+# DeepSeek-V3 shape with one MTP layer, so that SpeculativeConfig(method="mtp") is real
+TINY_DEEPSEEK_MTP = {
+    "architectures": ["DeepseekV3ForCausalLM"],
+    "model_type": "deepseek_v3",
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "moe_intermediate_size": 32,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 4,
+    "num_hidden_layers": 2,
+    "first_k_dense_replace": 2,
+    "n_routed_experts": 4,
+    "n_shared_experts": 1,
+    "num_experts_per_tok": 2,
+    "n_group": 1,
+    "topk_group": 1,
+    "q_lora_rank": None,
+    "kv_lora_rank": 32,
+    "qk_nope_head_dim": 16,
+    "qk_rope_head_dim": 16,
+    "v_head_dim": 16,
+    "vocab_size": 1000,
+    "max_position_embeddings": 8192,
+    "rms_norm_eps": 1e-6,
+    "rope_theta": 10000,
+    "num_nextn_predict_layers": 1,
+    "torch_dtype": "bfloat16",
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+    "routed_scaling_factor": 1.0,
+    "scoring_func": "sigmoid",
+    "topk_method": "noaux_tc",
+    "norm_topk_prob": True,
+}
 VOCAB = TINY_LLAMA["vocab_size"]
 
 
@@ -136,6 +170,7 @@ class Workload:
     abort: float = 0.02  # per step: abort one running or waiting request
     shared_prefix: float = 0.0  # fraction of prompts starting with a shared prefix
     unicode_ids: bool = False
+    prompt_embeds: float = 0.0  # fraction of requests sent as prompt embeddings (no prompt token ids)
     seed: int = 0
 
 
@@ -150,6 +185,7 @@ WORKLOADS = {
             "sync-prefix-two-groups", num_spec=4, sliding_window=64, prefix_caching=True, shared_prefix=0.6, seed=4
         ),
         Workload("async-unicode-no-spec", async_scheduling=True, unicode_ids=True, seed=5),
+        Workload("sync-prompt-embeds", num_spec=2, prompt_embeds=0.5, seed=7),
         Workload(
             "sync-256-running",
             steps=250,
@@ -175,7 +211,15 @@ def make_scheduler(w: Workload, model_dir: str):
     from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, SlidingWindowSpec
     from vllm.v1.structured_output import StructuredOutputManager
 
-    mc = ModelConfig(model=model_dir, skip_tokenizer_init=True, dtype="float16", seed=0, max_model_len=w.max_model_len)
+    # speculative workloads: the DeepSeek-V3-style model and its MTP layer as the drafter
+    model = os.path.join(model_dir, "deepseek-mtp" if w.num_spec else "llama")
+    mc = ModelConfig(
+        model=model,
+        skip_tokenizer_init=True,
+        seed=0,
+        max_model_len=w.max_model_len,
+        enable_prompt_embeds=w.prompt_embeds > 0,
+    )
     sc = SchedulerConfig(
         max_num_seqs=w.max_num_seqs,
         max_num_batched_tokens=w.max_num_batched_tokens,
@@ -188,9 +232,11 @@ def make_scheduler(w: Workload, model_dir: str):
     cc = CacheConfig(block_size=w.block_size, cache_dtype="auto", enable_prefix_caching=w.prefix_caching)
     spec = None
     if w.num_spec:
-        k = w.num_spec
         spec = SpeculativeConfig(
-            model="ngram", method="ngram", num_speculative_tokens=k, prompt_lookup_max=k, prompt_lookup_min=1
+            method="mtp",
+            num_speculative_tokens=w.num_spec,
+            target_model_config=mc,
+            target_parallel_config=ParallelConfig(),
         )
     vc = VllmConfig(
         scheduler_config=sc, model_config=mc, cache_config=cc, parallel_config=ParallelConfig(), speculative_config=spec
@@ -357,6 +403,11 @@ class Driver:
         rid = f"cmpl-{self.n}-{suffix}" if not w.unicode_ids else f"請求-{self.n}-é-{suffix}"
         self.n += 1
         sp = self.SamplingParams(max_tokens=rng.randint(*w.max_tokens), ignore_eos=True)
+        if rng.random() < w.prompt_embeds:
+            import torch
+
+            embeds = torch.zeros(plen, TINY_LLAMA["hidden_size"], dtype=torch.float16)
+            return Request(rid, None, sp, None, prompt_embeds=embeds, block_hasher=self.hasher)
         return Request(rid, prompt, sp, None, block_hasher=self.hasher)
 
     def _fake_output(self, so):
@@ -421,9 +472,13 @@ class Driver:
 
 
 def write_model_dir() -> str:
-    d = tempfile.mkdtemp(prefix="mtpstate-tiny-llama-")
-    with open(os.path.join(d, "config.json"), "w") as f:
-        json.dump(TINY_LLAMA, f)
+    """Hand-written config.json files of two tiny models (no weights: only
+    the configs are read)."""
+    d = tempfile.mkdtemp(prefix="mtpstate-vllm-models-")
+    for name, cfg in (("llama", TINY_LLAMA), ("deepseek-mtp", TINY_DEEPSEEK_MTP)):
+        os.makedirs(os.path.join(d, name))
+        with open(os.path.join(d, name, "config.json"), "w") as f:
+            json.dump(cfg, f)
     return d
 
 
@@ -440,7 +495,16 @@ def run_workload(w: Workload, model_dir: str, check_pickled: bool = True, contro
     ours_pickled = mtpstate.RequestTable(**kw) if check_pickled else None
     legacy = LegacyRequestTable(**kw) if control else None
     res = {"workload": w.name, "steps": 0, "disagreements": 0, "control_disagreements": 0, "first": []}
-    kinds = {"new": 0, "cached": 0, "finished": 0, "preempted": 0, "spec_tokens": 0, "max_running": 0, "prefix_hits": 0}
+    kinds = {
+        "new": 0,
+        "cached": 0,
+        "finished": 0,
+        "preempted": 0,
+        "spec_tokens": 0,
+        "max_running": 0,
+        "prefix_hits": 0,
+        "prompt_embeds": 0,
+    }
     for so in drv.steps():
         blob = pickle.dumps(so)
         ref.apply(so)
@@ -461,6 +525,7 @@ def run_workload(w: Workload, model_dir: str, check_pickled: bool = True, contro
                 res["first"].append((res["steps"], bad[:5]))
         kinds["new"] += len(so.scheduled_new_reqs)
         kinds["prefix_hits"] += sum(1 for r in so.scheduled_new_reqs if r.num_computed_tokens > 0)
+        kinds["prompt_embeds"] += sum(1 for r in so.scheduled_new_reqs if r.prompt_token_ids is None)
         kinds["cached"] += len(so.scheduled_cached_reqs.req_ids)
         kinds["finished"] += len(so.finished_req_ids)
         kinds["preempted"] += len(so.preempted_req_ids or ())

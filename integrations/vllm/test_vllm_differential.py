@@ -43,3 +43,5 @@ def test_agrees_with_vllm(model_dir, name):
         assert k["spec_tokens"] > 0
     if w.prefix_caching:
         assert k["prefix_hits"] > 0
+    if w.prompt_embeds:
+        assert k["prompt_embeds"] > 0
