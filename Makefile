@@ -14,6 +14,7 @@ VLLM_SRC := $(VLLM_DIR)/vllm-0.34.0
 VVENV := .venv-vllm
 VPY := $(VVENV)/bin/python
 VSTAMP := $(VVENV)/.installed
+VLLM_PATCHED := $(VLLM_DIR)/vllm-0.34.0-mtpstate
 VRUN := PYTHONPATH=$(CURDIR)/$(VLLM_SRC) VLLM_LOGGING_LEVEL=ERROR
 
 $(STAMP): pyproject.toml
@@ -40,8 +41,15 @@ $(VSTAMP): pyproject.toml integrations/vllm/requirements.txt
 	$(VPY) integrations/vllm/fetch_vllm.py $(VLLM_DIR)
 	touch $(VSTAMP)
 
-test-vllm: $(VSTAMP)
-	$(VRUN) $(VPY) -m pytest -q -p no:cacheprovider integrations/vllm
+# the worked patch, applied to a copy of the source (the patched-runner tests use it)
+$(VLLM_PATCHED)/.patched: $(VSTAMP) integrations/vllm/mtpstate-mrv2.patch
+	rm -rf $(VLLM_PATCHED)
+	cp -r $(VLLM_SRC) $(VLLM_PATCHED)
+	patch -p1 --quiet -d $(VLLM_PATCHED) < integrations/vllm/mtpstate-mrv2.patch
+	touch $@
+
+test-vllm: $(VSTAMP) $(VLLM_PATCHED)/.patched
+	MTPSTATE_VLLM_PATCHED=$(CURDIR)/$(VLLM_PATCHED) $(VRUN) $(VPY) -m pytest -q -p no:cacheprovider integrations/vllm
 
 bench-vllm: $(VSTAMP)
 	$(VRUN) $(VPY) integrations/vllm/harness.py --bench --json docs/bench-vllm.json

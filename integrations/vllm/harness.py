@@ -279,7 +279,7 @@ class MRV2Reference:
     ``finish_requests``, ``add_requests`` and ``update_requests`` methods,
     bound to an object holding the real ``RequestState`` and ``BlockTables``."""
 
-    def __init__(self, max_num_reqs, max_model_len, max_num_batched_tokens, block_sizes, num_spec):
+    def __init__(self, max_num_reqs, max_model_len, max_num_batched_tokens, block_sizes, num_spec, use_mtpstate=False):
         import torch
         from vllm.v1.worker.gpu.block_table import BlockTables
         from vllm.v1.worker.gpu.model_runner import GPUModelRunner
@@ -295,6 +295,11 @@ class MRV2Reference:
         self.model_state = self.lora_state = self.draft_tokens_handler = _Null()
         self.is_last_pp_rank = False  # the sampler's per-request state is not compared
         self._runner = GPUModelRunner
+        self.mtp = None  # the patched runner's switch (integrations/vllm/mtpstate-mrv2.patch)
+        if use_mtpstate:
+            from mtpstate.integrations.vllm import ModelRunnerV2State
+
+            self.mtp = ModelRunnerV2State(self)
 
     def apply(self, so) -> None:
         R = self._runner
@@ -536,6 +541,39 @@ def run_workload(w: Workload, model_dir: str, check_pickled: bool = True, contro
     return res
 
 
+def run_patched(w: Workload, model_dir: str) -> dict:
+    """With the patched vLLM source on the path: the runner's own methods with
+    mtpstate switched on (``ModelRunnerV2State``) against the same methods
+    with it off (vLLM's original code paths), compared after every step,
+    including the batch -> row mapping ``batch_rows`` gives
+    ``gather_batch_req_state``."""
+    import inspect
+
+    from vllm.v1.worker.gpu.model_runner import GPUModelRunner
+
+    if "VLLM_USE_MTPSTATE" not in inspect.getsource(GPUModelRunner):
+        raise RuntimeError("the vLLM source on the path is not patched (integrations/vllm/mtpstate-mrv2.patch)")
+    drv = Driver(w, model_dir)
+    args = (w.max_num_seqs, w.max_model_len, w.max_num_batched_tokens, drv.block_sizes, w.num_spec)
+    ref, patched = MRV2Reference(*args), MRV2Reference(*args, use_mtpstate=True)
+    res = {"workload": w.name, "steps": 0, "disagreements": 0, "first": []}
+    for so in drv.steps():
+        blob = pickle.dumps(so)
+        ref.apply(so)
+        patched.apply(pickle.loads(blob))
+        bad = diff_states(ref.state(), patched.state())
+        order = list(so.num_scheduled_tokens)
+        rows = patched.mtp.batch_rows(order)
+        if [patched.req_states.index_to_req_id[int(r)] for r in rows] != order:
+            bad.append("batch_rows: rows do not map back to the batch's ids")
+        res["steps"] += 1
+        if bad:
+            res["disagreements"] += 1
+            if len(res["first"]) < 3:
+                res["first"].append((res["steps"], bad[:5]))
+    return res
+
+
 # ----------------------------------------------------------------------------
 # paired timing on the real steps
 
@@ -592,6 +630,7 @@ def main(argv=None) -> int:
     p.add_argument("--workload", choices=sorted(WORKLOADS), action="append", help="default: all")
     p.add_argument("--steps", type=int, help="override each workload's step count")
     p.add_argument("--bench", action="store_true", help="paired timing instead of the differential")
+    p.add_argument("--patched", action="store_true", help="the patched runner (mtpstate on) against itself off")
     p.add_argument("--json", metavar="FILE")
     args = p.parse_args(argv)
     install_cpu_shims()
@@ -601,11 +640,18 @@ def main(argv=None) -> int:
     for name in names:
         w = WORKLOADS[name] if args.steps is None else replace(WORKLOADS[name], steps=args.steps)
         t0 = time.perf_counter()
-        r = bench_workload(w, model_dir) if args.bench else run_workload(w, model_dir)
+        if args.bench:
+            r = bench_workload(w, model_dir)
+        elif args.patched:
+            r = run_patched(w, model_dir)
+        else:
+            r = run_workload(w, model_dir)
         r["seconds"] = time.perf_counter() - t0
         results.append(r)
         print(json.dumps(r), flush=True)
-        failed |= (not args.bench) and (r["disagreements"] > 0 or (w.num_spec > 0 and r["control_disagreements"] == 0))
+        if not args.bench:
+            failed |= r["disagreements"] > 0
+            failed |= not args.patched and w.num_spec > 0 and r["control_disagreements"] == 0
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=1)

@@ -1,0 +1,1 @@
+"""Adapters for serving engines (import no engine at import time)."""

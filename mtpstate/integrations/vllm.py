@@ -1,0 +1,137 @@
+"""Glue for vLLM's Model Runner V2 (``vllm/v1/worker/gpu/``, vLLM 0.34).
+
+``ModelRunnerV2State(runner)`` takes over the host side of a
+``GPUModelRunner``'s request state: its ``RequestState`` (states.py) and
+``BlockTables`` (block_table.py) host arrays become views of one
+:class:`mtpstate.RequestTable`, and a scheduler step is applied by one
+``RequestTable.apply`` instead of the per-request loops of
+``finish_requests`` / ``add_requests`` / ``update_requests``. What stays per
+request is what must: the runner's hooks for requests that leave or arrive
+(``_remove_request``: model state, pooling, ``pp_handler.on_req_idx_freed``,
+encoder cache, LoRA; and the add hooks: model state, sampler, speculator,
+...), and the staging of their tokens and blocks into vLLM's device tensors.
+
+Imports no vLLM: it works on the runner object it is given. The worked patch
+``integrations/vllm/mtpstate-mrv2.patch`` shows the calls in the runner;
+``docs/vllm.md`` maps every field.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from mtpstate.table import RequestTable, StepResult
+
+__all__ = ["ModelRunnerV2State"]
+
+
+class _Step:
+    """The step as the table reads it: the runner frees ``finished`` (finished,
+    preempted, and new ids still live: a streaming-input update re-adds them)."""
+
+    __slots__ = ("finished_req_ids", "preempted_req_ids", "scheduled_new_reqs", "scheduled_cached_reqs")
+
+    def __init__(self, finished, so):
+        self.finished_req_ids = finished
+        self.preempted_req_ids = None
+        self.scheduled_new_reqs = so.scheduled_new_reqs
+        self.scheduled_cached_reqs = so.scheduled_cached_reqs
+
+
+class ModelRunnerV2State:
+    """Request state of a vLLM Model Runner V2 ``GPUModelRunner``, kept by a
+    :class:`RequestTable`.
+
+    Parameters
+    ----------
+    runner
+        The ``GPUModelRunner`` (or any object with its ``req_states``,
+        ``block_tables`` and ``_remove_request``), after both were built.
+
+    Notes
+    -----
+    After construction these runner arrays are views of the table (same
+    dtypes and shapes, so every reader in the runner is unchanged):
+    ``req_states.num_computed_tokens_np``, ``num_computed_prefill_tokens``,
+    ``max_seq_len``, ``prompt_len.np``, ``prefill_len.np`` and
+    ``block_tables.num_blocks.np``. ``req_states.req_id_to_index`` /
+    ``index_to_req_id`` are still kept (the runner reads them elsewhere), but
+    only requests that arrive or leave touch them. Rows are the table's
+    (lowest free first), not vLLM's LIFO free list: the same on every
+    tensor-parallel rank.
+    """
+
+    def __init__(self, runner, table: RequestTable | None = None):
+        rs, bt = runner.req_states, runner.block_tables
+        widths = [t.gpu.shape[1] for t in bt.block_tables]
+        self.runner = runner
+        self.table = table or RequestTable(
+            max_num_reqs=rs.max_num_reqs,
+            max_model_len=rs.max_model_len,
+            block_sizes=list(bt.block_sizes),
+            max_num_blocks_per_group=widths,
+        )
+        t = self.table
+        # the runner reads these every step; as views, apply's writes are theirs
+        rs.num_computed_tokens_np = t.num_computed_tokens  # [max_num_reqs]
+        rs.num_computed_prefill_tokens = t.num_computed_prefill_tokens  # [max_num_reqs]
+        rs.max_seq_len = t.max_seq_len  # [max_num_reqs]
+        rs.prompt_len.np = t.prompt_len  # copy_to_uva() reads .np
+        rs.prefill_len.np = t.prefill_len
+        bt.num_blocks.np = t.num_blocks  # [num_groups, max_num_reqs]
+        rs.external_rows = True  # the patched RequestState keeps no free list
+        self._freeing: list[str] = []
+
+    # -- the three runner methods ---------------------------------------------
+
+    def finish(self, scheduler_output) -> None:
+        """``finish_requests``: run the runner's per-request removal hooks
+        (they need the rows, which stay valid until :meth:`apply`), in sorted
+        id order as vLLM does, so that ranks agree. Unknown ids are ignored."""
+        rs = self.runner.req_states
+        gone = set(scheduler_output.finished_req_ids)
+        gone.update(scheduler_output.preempted_req_ids or ())
+        gone.update(r.req_id for r in scheduler_output.scheduled_new_reqs if r.req_id in rs.req_id_to_index)
+        self._freeing = sorted(gone)
+        for req_id in self._freeing:
+            self.runner._remove_request(req_id)
+
+    def apply(self, scheduler_output) -> StepResult:
+        """``add_requests`` + ``update_requests``: apply the step (finish, add,
+        update) with one ``RequestTable.apply``, then stage the new requests'
+        tokens and lengths and every new block into vLLM's device tensors.
+        Returns the table's :class:`StepResult` (``new_rows`` in the order of
+        ``scheduled_new_reqs``, for the runner's add hooks)."""
+        so = scheduler_output
+        rs, bt = self.runner.req_states, self.runner.block_tables
+        res = self.table.apply(_Step(self._freeing, so))
+        self._freeing = []
+        ng = bt.num_kv_cache_groups
+        new = so.scheduled_new_reqs
+        if new:
+            prefill_len = self.table.prefill_len
+            for r, row in zip(new, res.new_rows.tolist()):
+                rs.req_id_to_index[r.req_id] = row
+                rs.index_to_req_id[row] = r.req_id
+                rs.total_len.stage_write_elem(row, int(prefill_len[row]))
+                rs.all_token_ids.stage_write(row, 0, r.prefill_token_ids)  # by reference, as vLLM does
+                rs.num_computed_tokens.stage_write_elem(row, r.num_computed_tokens)
+                if rs.num_speculative_steps > 0:
+                    rs.draft_tokens[row].zero_()
+                for g in range(ng):
+                    bt.block_tables[g].stage_write(row, 0, r.block_ids[g])
+        # block appends of running requests: only those the scheduler gave blocks
+        cached = so.scheduled_cached_reqs
+        nb = self.table.num_blocks
+        for row, blocks in zip(res.cached_rows.tolist(), cached.new_block_ids):
+            if blocks is not None:
+                for g in range(ng):
+                    n = len(blocks[g])
+                    if n:
+                        bt.block_tables[g].stage_write(row, int(nb[g, row]) - n, blocks[g])
+        return res
+
+    def batch_rows(self, req_ids) -> np.ndarray:
+        """Rows of ``req_ids`` (the batch order of ``gather_batch_req_state``)
+        as the ``np.intp`` array ``idx_mapping_np``: one batched lookup."""
+        return self.table.rows(req_ids).astype(np.intp)
