@@ -51,8 +51,10 @@ $(VLLM_PATCHED)/.patched: $(VSTAMP) integrations/vllm/mtpstate-mrv2.patch
 test-vllm: $(VSTAMP) $(VLLM_PATCHED)/.patched
 	MTPSTATE_VLLM_PATCHED=$(CURDIR)/$(VLLM_PATCHED) $(VRUN) $(VPY) -m pytest -q -p no:cacheprovider integrations/vllm
 
-bench-vllm: $(VSTAMP)
+bench-vllm: $(VSTAMP) $(VLLM_PATCHED)/.patched
 	$(VRUN) $(VPY) integrations/vllm/harness.py --bench --json docs/bench-vllm.json
+	PYTHONPATH=$(CURDIR)/$(VLLM_PATCHED) VLLM_LOGGING_LEVEL=ERROR $(VPY) integrations/vllm/harness.py --bench --patched \
+	  --json docs/bench-vllm-patched.json
 
 bench: $(STAMP)
 	$(VENV)/bin/mtpstate bench

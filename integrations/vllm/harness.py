@@ -578,25 +578,48 @@ def run_patched(w: Workload, model_dir: str) -> dict:
 # paired timing on the real steps
 
 
-def bench_workload(w: Workload, model_dir: str, repeats: int = 5) -> dict:
+def bench_workload(w: Workload, model_dir: str, repeats: int = 5, patched: bool = False) -> dict:
     """Record the workload's steps once, then time, per step and interleaved,
     MRV2's host path (finish/add/update, then the batch -> row mapping of
     ``gather_batch_req_state``) against ``RequestTable.apply`` + ``rows`` for
     the same batch order, each on a freshly unpickled step (as a worker
     process receives it). The batch order (vLLM's ``sort_batch_req_ids``) is
-    computed outside the timed region: both sides need it."""
+    computed outside the timed region: both sides need it. ``patched``: the
+    subject is the patched runner's own methods with mtpstate on (tokens and
+    blocks staged into vLLM's tensors, hooks per new request) instead of the
+    bare table."""
+    from vllm.v1.worker.gpu import buffer_utils
     from vllm.v1.worker.gpu.model_runner import sort_batch_req_ids
 
     import mtpstate
 
+    # On a GPU the write kernel is an asynchronous launch; its numpy emulation
+    # here would dominate both sides. Timed: everything up to the launch.
+    emulated = buffer_utils._apply_write_kernel
+    buffer_utils._apply_write_kernel = _NoLaunch()
+    try:
+        return _bench(w, model_dir, repeats, patched, sort_batch_req_ids, mtpstate)
+    finally:
+        buffer_utils._apply_write_kernel = emulated
+
+
+class _NoLaunch:
+    def __getitem__(self, grid):
+        return lambda *args, **kwargs: None
+
+
+def _bench(w, model_dir, repeats, patched, sort_batch_req_ids, mtpstate):
     drv = Driver(w, model_dir)
     blobs = [pickle.dumps(so) for so in drv.steps()]
     kw = dict(max_num_reqs=w.max_num_seqs, max_model_len=w.max_model_len, block_sizes=drv.block_sizes)
     dq = 1 + w.num_spec
     t_ref, t_ours = [], []
     for _ in range(repeats):
-        ref = MRV2Reference(w.max_num_seqs, w.max_model_len, w.max_num_batched_tokens, drv.block_sizes, w.num_spec)
+        args = (w.max_num_seqs, w.max_model_len, w.max_num_batched_tokens, drv.block_sizes, w.num_spec)
+        ref = MRV2Reference(*args)
         ours = mtpstate.RequestTable(**kw)
+        if patched:
+            sub = MRV2Reference(*args, use_mtpstate=True)
         for b in blobs:
             s1, s2 = pickle.loads(b), pickle.loads(b)
             o1 = sort_batch_req_ids(s1.num_scheduled_tokens, s1.scheduled_spec_decode_tokens, dq)
@@ -605,8 +628,12 @@ def bench_workload(w: Workload, model_dir: str, repeats: int = 5) -> dict:
             ref.apply(s1)
             m1 = np.fromiter(map(ref.req_states.req_id_to_index.__getitem__, o1), np.intp, len(o1))
             t1 = time.perf_counter()
-            ours.apply(s2)
-            m2 = ours.rows(o2)
+            if patched:
+                sub.apply(s2)
+                m2 = sub.mtp.batch_rows(o2)
+            else:
+                ours.apply(s2)
+                m2 = ours.rows(o2)
             t2 = time.perf_counter()
             t_ref.append(t1 - t0)
             t_ours.append(t2 - t1)
@@ -614,6 +641,7 @@ def bench_workload(w: Workload, model_dir: str, repeats: int = 5) -> dict:
     ratios = np.array(t_ref) / np.array(t_ours)
     return {
         "workload": w.name,
+        "subject": "patched runner (mtpstate on)" if patched else "RequestTable.apply + rows",
         "steps": len(blobs),
         "repeats": repeats,
         "mrv2_median_us": statistics.median(t_ref) * 1e6,
@@ -641,7 +669,7 @@ def main(argv=None) -> int:
         w = WORKLOADS[name] if args.steps is None else replace(WORKLOADS[name], steps=args.steps)
         t0 = time.perf_counter()
         if args.bench:
-            r = bench_workload(w, model_dir)
+            r = bench_workload(w, model_dir, patched=args.patched)
         elif args.patched:
             r = run_patched(w, model_dir)
         else:
