@@ -183,7 +183,7 @@ example:
 BENCH_HELP = """\
 RequestTable and RequestIndex against the per-request loop and the dict, on
 identical steps in one run (paired, interleaved). The full run takes several
-minutes on 2 cores; --quick about half a minute.
+minutes on 2 cores; --quick about 20 s.
 
 examples:
   mtpstate bench --quick

@@ -49,3 +49,9 @@ def test_documented_commands_parse(doc, line):
     if "--help" in argv or "--version" in argv:
         return
     build_parser().parse_args(argv)  # exits with status 2 on a flag or value the parser rejects
+
+
+def test_vllm_adapter_imports_no_vllm():
+    code = "import sys, mtpstate.integrations.vllm as m; assert 'vllm' not in sys.modules; print(m.__all__)"
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0 and "ModelRunnerV2State" in p.stdout, p.stderr

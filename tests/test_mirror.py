@@ -7,7 +7,9 @@ from helpers import SIM_KNOBS, genericize
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-torch = pytest.importorskip("torch", reason="the device mirror needs torch: pip install 'mtpstate[torch]' (a CPU build: see the Makefile)")
+torch = pytest.importorskip(
+    "torch", reason="the device mirror needs torch: pip install 'mtpstate[torch]' (a CPU build: see the Makefile)"
+)
 
 from mtpstate import RequestTable, StateError  # noqa: E402
 from mtpstate.sim import CachedRequestData, SchedulerOutput, Simulator  # noqa: E402
