@@ -566,6 +566,8 @@ def run_patched(w: Workload, model_dir: str) -> dict:
         rows = patched.mtp.batch_rows(order)
         if [patched.req_states.index_to_req_id[int(r)] for r in rows] != order:
             bad.append("batch_rows: rows do not map back to the batch's ids")
+        if patched.mtp.idx_mapping(order, "cpu").tolist() != rows.tolist():
+            bad.append("idx_mapping: the tensor differs from batch_rows")
         res["steps"] += 1
         if bad:
             res["disagreements"] += 1

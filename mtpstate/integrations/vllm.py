@@ -135,3 +135,16 @@ class ModelRunnerV2State:
         """Rows of ``req_ids`` (the batch order of ``gather_batch_req_state``)
         as the ``np.intp`` array ``idx_mapping_np``: one batched lookup."""
         return self.table.rows(req_ids).astype(np.intp)
+
+    def idx_mapping(self, req_ids, device):
+        """The batch -> row mapping as an int64 tensor on ``device``, ready for
+        ``prepare_inputs``: built on the host, then one non-blocking copy from
+        pinned memory when ``device`` is a GPU (what vLLM's
+        ``async_tensor_h2d`` does with ``idx_mapping_np``)."""
+        import torch
+
+        host = torch.from_numpy(self.batch_rows(req_ids).astype(np.int64))
+        dev = torch.device(device)
+        if dev.type == "cpu":
+            return host
+        return host.pin_memory().to(dev, non_blocking=True)
