@@ -218,14 +218,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--version", action="version", version=f"mtpstate {version_string()}")
     sub = p.add_subparsers(dest="cmd", metavar="COMMAND", parser_class=_Parser)
 
+    def command(name: str, summary: str, description: str) -> argparse.ArgumentParser:
+        return sub.add_parser(name, help=summary, description=description, formatter_class=_Formatter, parents=[common])
+
     d = _sim_defaults()
-    s = sub.add_parser(
-        "sim",
-        help="simulate a scheduler and record a trace",
-        description=SIM_HELP,
-        formatter_class=_Formatter,
-        parents=[common],
-    )
+    s = command("sim", "simulate a scheduler and record a trace", SIM_HELP)
     s.add_argument("--steps", type=_int(1), required=True, help="scheduler steps to simulate")
     s.add_argument("--out", required=True, metavar="FILE", help="trace file to write")
     s.add_argument("--seed", type=_int(0), default=d.seed, help="random seed")
@@ -263,13 +260,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="how a preempted request comes back: re-sent as new (Model Runner V2) or listed in resumed_req_ids",
     )
 
-    r = sub.add_parser(
-        "replay",
-        help="replay a trace; time per step and drift from the scheduler",
-        description=REPLAY_HELP,
-        formatter_class=_Formatter,
-        parents=[common],
-    )
+    r = command("replay", "replay a trace; time per step and drift from the scheduler", REPLAY_HELP)
     r.add_argument("file", help="trace file written by `mtpstate sim`")
     r.add_argument(
         "--impl", choices=["vectorized", "loop", "legacy", "all"], default="all", help="implementation(s) to replay"
@@ -277,13 +268,7 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--json", metavar="FILE", help="write the results as JSON")
     r.add_argument("--plot", metavar="FILE.png", help="plot drift per step (needs matplotlib)")
 
-    b = sub.add_parser(
-        "bench",
-        help="RequestTable / RequestIndex against the loop / dict, in one run",
-        description=BENCH_HELP,
-        formatter_class=_Formatter,
-        parents=[common],
-    )
+    b = command("bench", "RequestTable / RequestIndex against the loop / dict, in one run", BENCH_HELP)
     b.add_argument("--quick", action="store_true", help="fewer sizes, steps and repeats")
     b.add_argument(
         "--sizes",
@@ -295,13 +280,7 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--json", metavar="FILE", help="write results and run metadata as JSON")
     b.add_argument("--plot", metavar="FILE.png", help="write a plot, one panel per workload (needs matplotlib)")
 
-    sub.add_parser(
-        "warmup",
-        help="compile the kernels now (ahead of a server's first step)",
-        description=WARMUP_HELP,
-        formatter_class=_Formatter,
-        parents=[common],
-    )
+    command("warmup", "compile the kernels now (ahead of a server's first step)", WARMUP_HELP)
     return p
 
 
