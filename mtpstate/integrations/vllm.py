@@ -48,28 +48,41 @@ class ModelRunnerV2State:
         The ``GPUModelRunner`` (or any object with its ``req_states``,
         ``block_tables`` and ``_remove_request``), after both were built.
 
+    ring_depth
+        Staging slots of the table's device mirror: at least the engine's
+        batch queue depth (2 with async scheduling).
+
     Notes
     -----
     After construction these runner arrays are views of the table (same
     dtypes and shapes, so every reader in the runner is unchanged):
     ``req_states.num_computed_tokens_np``, ``num_computed_prefill_tokens``,
     ``max_seq_len``, ``prompt_len.np``, ``prefill_len.np`` and
-    ``block_tables.num_blocks.np``. ``req_states.req_id_to_index`` /
+    ``block_tables.num_blocks.np``; the device block tables
+    (``block_tables.block_tables[g].gpu``) are the mirror's tensors, same
+    dtype and shape, written only by the mirror's per-step copy.
+    ``req_states.req_id_to_index`` /
     ``index_to_req_id`` are still kept (the runner reads them elsewhere), but
     only requests that arrive or leave touch them. Rows are the table's
     (lowest free first), not vLLM's LIFO free list: the same on every
     tensor-parallel rank.
     """
 
-    def __init__(self, runner, table: RequestTable | None = None):
+    def __init__(self, runner, ring_depth: int = 2):
         rs, bt = runner.req_states, runner.block_tables
         widths = [t.gpu.shape[1] for t in bt.block_tables]
         self.runner = runner
-        self.table = table or RequestTable(
+        # the block tables live in the table's device mirror: each step's
+        # appends reach the device in the mirror's one staged copy, instead of
+        # one StagedWriteTensor write per request; token ids stay vLLM's (UVA
+        # by default), staged per new request as MRV2 does
+        self.table = RequestTable(
             max_num_reqs=rs.max_num_reqs,
             max_model_len=rs.max_model_len,
             block_sizes=list(bt.block_sizes),
             max_num_blocks_per_group=widths,
+            device=rs.device,
+            mirror_options={"ring_depth": ring_depth, "token_ids_on_device": False},
         )
         t = self.table
         # the runner reads these every step; as views, apply's writes are theirs
@@ -79,6 +92,9 @@ class ModelRunnerV2State:
         rs.prompt_len.np = t.prompt_len  # copy_to_uva() reads .np
         rs.prefill_len.np = t.prefill_len
         bt.num_blocks.np = t.num_blocks  # [num_groups, max_num_reqs]
+        for g, dev in enumerate(t.device_tensors.block_tables):  # [max_num_reqs, W_g] each
+            bt.block_tables[g].gpu = dev
+        bt.init_block_table_layout_tensors()  # the kernels' pointer/stride tables
         rs.external_rows = True  # the patched RequestState keeps no free list
         self._freeing: list[str] = []
 
@@ -98,15 +114,15 @@ class ModelRunnerV2State:
 
     def apply(self, scheduler_output) -> StepResult:
         """``add_requests`` + ``update_requests``: apply the step (finish, add,
-        update) with one ``RequestTable.apply``, then stage the new requests'
-        tokens and lengths and every new block into vLLM's device tensors.
-        Returns the table's :class:`StepResult` (``new_rows`` in the order of
+        update) with one ``RequestTable.apply``, whose mirror also ships every
+        block-table change to the device; then stage the new requests' token
+        ids and lengths into vLLM's tensors as MRV2 does. Returns the table's
+        :class:`StepResult` (``new_rows`` in the order of
         ``scheduled_new_reqs``, for the runner's add hooks)."""
         so = scheduler_output
-        rs, bt = self.runner.req_states, self.runner.block_tables
+        rs = self.runner.req_states
         res = self.table.apply(_Step(self._freeing, so))
         self._freeing = []
-        ng = bt.num_kv_cache_groups
         new = so.scheduled_new_reqs
         if new:
             prefill_len = self.table.prefill_len
@@ -118,17 +134,6 @@ class ModelRunnerV2State:
                 rs.num_computed_tokens.stage_write_elem(row, r.num_computed_tokens)
                 if rs.num_speculative_steps > 0:
                     rs.draft_tokens[row].zero_()
-                for g in range(ng):
-                    bt.block_tables[g].stage_write(row, 0, r.block_ids[g])
-        # block appends of running requests: only those the scheduler gave blocks
-        cached = so.scheduled_cached_reqs
-        nb = self.table.num_blocks
-        for row, blocks in zip(res.cached_rows.tolist(), cached.new_block_ids):
-            if blocks is not None:
-                for g in range(ng):
-                    n = len(blocks[g])
-                    if n:
-                        bt.block_tables[g].stage_write(row, int(nb[g, row]) - n, blocks[g])
         return res
 
     def batch_rows(self, req_ids) -> np.ndarray:
