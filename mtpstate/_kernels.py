@@ -123,7 +123,7 @@ IX_ARRAY_OK = 25  # 1: array.array's object layout was verified at import (ob_it
 IX_SIZE = 26
 
 
-@jit
+@jit(signature="int64(int64[::1], int64, int64, int64, int64)")
 def _set_err(ctx, code, pos, arg, phase):
     ctx[IX_ERR_POS] = pos
     ctx[IX_ERR_ARG] = arg

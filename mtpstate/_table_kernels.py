@@ -170,7 +170,7 @@ def num_scratch_rows(ng):
     return S_NB0 + ng
 
 
-@jit
+@jit(signature="int64(int64[::1], int64, int64, int64, int64, int64)")
 def _err(tb, code, pos, arg, phase, field):
     tb[TB_ERR_POS] = pos
     tb[TB_ERR_ARG] = arg
@@ -197,7 +197,7 @@ def _check_int31_list(seq, tp, value_error):
     return n, OK
 
 
-@jit
+@jit(signature="int64(int64, int64, int64, boolean, int64, int64, int64)")
 def _put(a_state, pos, v, staging, a_stg_pos, a_stg_val, ns):
     """state[pos] = v; stage it for the device only if the value changed
     (bytes shipped grow with what changed)."""
@@ -210,7 +210,7 @@ def _put(a_state, pos, v, staging, a_stg_pos, a_stg_val, ns):
     return ns
 
 
-@jit
+@jit(signature="int64(int64, UniTuple(int64, 9), int64, int64, int64, int64, boolean, int64, int64, int64, int64)")
 def _write_group(seq, tp, a_bt, w, row, start, staging, a_stg_pos, a_stg_val, ns, flat):
     """Write one group's block ids into ``bt[row, start:]`` (``a_bt``: the
     table's address); returns the new number of staged elements."""
@@ -370,7 +370,7 @@ def _append_blocks(blocks, replace, tp, a_state, R, ng, r, bt_addr, bt_w, flat_b
     return ns
 
 
-@jit
+@jit(signature="void(int32[::1], int64, int64)")
 def _sift_down(a, i, n):
     v = a[i]
     while True:
@@ -609,7 +609,10 @@ def _update_only(ixc, tbc, cid, cnct_kind, cnct, cnct_n, cblk):
     return OK
 
 
-@jit
+@jit(
+    signature="UniTuple(int64, 2)(int64, int64, int64[::1], UniTuple(int64, 9), int64[::1], int64, uint64[::1], "
+    "int64, int64, int64, int64, int32[::1], int64, int64, int64, int64, int64)"
+)
 def _free_ids(
     seq, phase, tb, tp, slots, mask, keys, kw, seed, hmask, allow, scr, O_FREE, O_RED, O_FREED, stamp, nfreed
 ):
