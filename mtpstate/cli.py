@@ -12,7 +12,6 @@ import importlib.util
 import json
 import os
 import sys
-import time
 
 EXIT_RUNTIME = 1
 EXIT_USAGE = 2
@@ -141,7 +140,6 @@ class _Bar:
     def __init__(self, label: str, total: int):
         self.label, self.total = label, max(total, 1)
         self.on = sys.stderr.isatty()
-        self.t0 = time.perf_counter()
 
     def __call__(self, done: int) -> None:
         if not self.on or (done != self.total and done % max(1, self.total // 100)):
@@ -288,15 +286,16 @@ def build_parser() -> argparse.ArgumentParser:
 # commands
 
 
-def _cmd_sim(args, parser) -> None:
+def _cmd_sim(args) -> None:
     from mtpstate.sim import SimConfig
     from mtpstate.trace import record
 
     room = args.max_model_len - args.num_spec - 2
-    if args.prompt_len[1] > room:
-        parser.error(
+    if args.prompt_len[1] > room:  # a usage error only visible with two flags together
+        raise CliError(
             f"argument --prompt-len: high {args.prompt_len[1]} leaves no room to decode within --max-model-len "
-            f"{args.max_model_len} (at most {room} with --num-spec {args.num_spec})"
+            f"{args.max_model_len} (at most {room} with --num-spec {args.num_spec}) (see `mtpstate sim --help`)",
+            EXIT_USAGE,
         )
     _check_output(args.out, "--out")
     cfg = SimConfig(
@@ -323,7 +322,7 @@ def _cmd_sim(args, parser) -> None:
     _wrote(args.out, f"{len(tr)} steps, {n_req} requests")
 
 
-def _cmd_replay(args, parser) -> None:
+def _cmd_replay(args) -> None:
     from mtpstate.replay import IMPLS, plot_drift, replay
     from mtpstate.trace import TraceError, load
 
@@ -356,7 +355,7 @@ def _cmd_replay(args, parser) -> None:
         _wrote(args.plot)
 
 
-def _cmd_bench(args, parser) -> None:
+def _cmd_bench(args) -> None:
     from mtpstate.bench import run
 
     _check_output(args.json, "--json")
@@ -366,7 +365,7 @@ def _cmd_bench(args, parser) -> None:
     run(quick=args.quick, sizes=args.sizes, json_path=args.json, plot_path=args.plot, what=what, wrote=_wrote)
 
 
-def _cmd_warmup(args, parser) -> None:
+def _cmd_warmup(args) -> None:
     import mtpstate
     from mtpstate._native import COMPILE_NOTICE
 
@@ -384,11 +383,10 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     if args.cmd is None:
         parser.error(f"missing a command, one of: {', '.join(COMMANDS)}")
-    sub = parser._subparsers._group_actions[0].choices[args.cmd]  # for usage errors found after parsing
     prog = f"mtpstate {args.cmd}"
     args.debug = args.debug or args.debug_top
     try:
-        COMMANDS[args.cmd](args, sub)
+        COMMANDS[args.cmd](args)
     except CliError as e:
         if args.debug:
             raise

@@ -304,7 +304,7 @@ class MRV2Reference:
     def apply(self, so) -> None:
         R = self._runner
         R.finish_requests(self, so)
-        R.free_states(self, so) if hasattr(R, "free_states") else None
+        R.free_states(self, so)
         R.add_requests(self, so)
         R.update_requests(self, so)
         self.block_tables.apply_staged_writes()
@@ -587,20 +587,17 @@ def bench_workload(w: Workload, model_dir: str, repeats: int = 5, patched: bool 
     the same batch order, each on a freshly unpickled step (as a worker
     process receives it). The batch order (vLLM's ``sort_batch_req_ids``) is
     computed outside the timed region: both sides need it. ``patched``: the
-    subject is the patched runner's own methods with mtpstate on (tokens and
-    blocks staged into vLLM's tensors, hooks per new request) instead of the
-    bare table."""
+    subject is the patched runner's own methods with mtpstate on (block
+    tables through the table's mirror, tokens staged into vLLM's tensors,
+    hooks per new request) instead of the bare table."""
     from vllm.v1.worker.gpu import buffer_utils
-    from vllm.v1.worker.gpu.model_runner import sort_batch_req_ids
-
-    import mtpstate
 
     # On a GPU the write kernel is an asynchronous launch; its numpy emulation
     # here would dominate both sides. Timed: everything up to the launch.
     emulated = buffer_utils._apply_write_kernel
     buffer_utils._apply_write_kernel = _NoLaunch()
     try:
-        return _bench(w, model_dir, repeats, patched, sort_batch_req_ids, mtpstate)
+        return _bench(w, model_dir, repeats, patched)
     finally:
         buffer_utils._apply_write_kernel = emulated
 
@@ -610,7 +607,11 @@ class _NoLaunch:
         return lambda *args, **kwargs: None
 
 
-def _bench(w, model_dir, repeats, patched, sort_batch_req_ids, mtpstate):
+def _bench(w, model_dir, repeats, patched):
+    from vllm.v1.worker.gpu.model_runner import sort_batch_req_ids
+
+    import mtpstate
+
     drv = Driver(w, model_dir)
     blobs = [pickle.dumps(so) for so in drv.steps()]
     kw = dict(max_num_reqs=w.max_num_seqs, max_model_len=w.max_model_len, block_sizes=drv.block_sizes)

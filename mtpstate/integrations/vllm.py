@@ -9,7 +9,8 @@
 request is what must: the runner's hooks for requests that leave or arrive
 (``_remove_request``: model state, pooling, ``pp_handler.on_req_idx_freed``,
 encoder cache, LoRA; and the add hooks: model state, sampler, speculator,
-...), and the staging of their tokens and blocks into vLLM's device tensors.
+...), and the staging of their token ids into vLLM's tensors (block tables
+go through the table's device mirror).
 
 Imports no vLLM: it works on the runner object it is given. The worked patch
 ``integrations/vllm/mtpstate-mrv2.patch`` shows the calls in the runner;
