@@ -11,10 +11,10 @@ from functools import partial
 import pytest
 
 from mtpstate import RequestTable
-from mtpstate.bench import mirror_device
-from mtpstate.reference import LoopMirroredRequestTable, LoopRequestTable
-from mtpstate.sim import NewRequestData, SamplingParams, SchedulerOutput
-from mtpstate.workloads import BLOCK_SIZE, MAX_MODEL_LEN, mixed, steady_decode
+from mtpstate.tools.bench import mirror_device
+from mtpstate.tools.reference import LoopMirroredRequestTable, LoopRequestTable
+from mtpstate.tools.sim import NewRequestData, SamplingParams, SchedulerOutput
+from mtpstate.tools.workloads import BLOCK_SIZE, MAX_MODEL_LEN, mixed, steady_decode
 
 SIZES = [1, 16, 64, 256, 1024, 4096, 16384]
 IMPLS = {"loop": LoopRequestTable, "vectorized": RequestTable}

@@ -23,14 +23,23 @@ def warmup() -> float:
     spent."""
     import time
 
-    from mtpstate.sim import CachedRequestData, NewRequestData, SamplingParams, SchedulerOutput
+    from types import SimpleNamespace as NS
 
     t0 = time.perf_counter()
     t = RequestTable(max_num_reqs=4, max_model_len=32, block_sizes=[16])
-    new = NewRequestData("w", [1, 2], SamplingParams(4), ([0],), 0)
-    t.apply(SchedulerOutput(scheduled_new_reqs=[new]))
-    t.apply(SchedulerOutput(scheduled_cached_reqs=CachedRequestData(["w"], set(), [[]], [([1],)], [2], [0])))
-    t.apply(SchedulerOutput(finished_req_ids={"w"}))
+    none = NS(req_ids=[], num_computed_tokens=[], new_block_ids=[])
+    new = NS(
+        req_id="w",
+        prompt_token_ids=[1, 2],
+        prefill_token_ids=None,
+        sampling_params=NS(max_tokens=4),
+        block_ids=([0],),
+        num_computed_tokens=0,
+    )
+    t.apply(NS(finished_req_ids=set(), preempted_req_ids=None, scheduled_new_reqs=[new], scheduled_cached_reqs=none))
+    cached = NS(req_ids=["w"], num_computed_tokens=[2], new_block_ids=[([1],)])
+    t.apply(NS(finished_req_ids=set(), preempted_req_ids=None, scheduled_new_reqs=[], scheduled_cached_reqs=cached))
+    t.apply(NS(finished_req_ids={"w"}, preempted_req_ids=None, scheduled_new_reqs=[], scheduled_cached_reqs=none))
     ix = RequestIndex(2)
     ix.insert(["w"])
     ix.lookup(["w"])

@@ -1,5 +1,5 @@
 import sys
 
-from mtpstate.cli import main
+from mtpstate.tools.cli import main
 
 sys.exit(main())

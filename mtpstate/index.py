@@ -1,7 +1,7 @@
 """RequestIndex: request id -> row, with no Python dict.
 
 An open-addressing hash table (linear probing, backward-shift deletion) kept
-in numpy arrays and driven by the kernels in ``_kernels``. Keys are the ids'
+in numpy arrays and driven by the kernels in ``_kernels.index``. Keys are the ids'
 UTF-8 bytes, read in place from the str objects and stored per row, so a row is
 only ever returned after comparing the ids themselves (request ids can come
 from clients: a crafted hash collision must not hand one request another's
@@ -18,8 +18,8 @@ from collections.abc import Iterable
 
 import numpy as np
 
-from mtpstate import _kernels as K
-from mtpstate._native import ARRAY_LAYOUT_OK, ASCII_DATA_OFFSET, PY_ADDRESSES
+from mtpstate._kernels import index as K
+from mtpstate._kernels.native import ARRAY_LAYOUT_OK, ASCII_DATA_OFFSET, PY_ADDRESSES
 from mtpstate.errors import (
     CapacityError,
     DuplicateRequestError,

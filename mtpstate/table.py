@@ -2,7 +2,7 @@
 
 Data flow: scheduler output (Python objects, duck-typed like vLLM's
 ``SchedulerOutput``) -> ``apply`` gathers the few per-new-request attributes
--> ``_table_kernels.tb_step`` validates the whole step and applies it to the
+-> ``_kernels.step.tb_apply`` validates the whole step and applies it to the
 host arrays (and appends the changes to the mirror's staging buffers) ->
 ``mirror.DeviceMirror`` ships them to device tensors.
 """
@@ -15,9 +15,9 @@ import operator
 
 import numpy as np
 
-from mtpstate import _kernels as K
-from mtpstate import _table_kernels as T
-from mtpstate._native import ARRAY_LAYOUT_OK
+from mtpstate._kernels import index as K
+from mtpstate._kernels import step as T
+from mtpstate._kernels.native import ARRAY_LAYOUT_OK
 from mtpstate.errors import (
     CapacityError,
     DuplicateRequestError,
@@ -394,7 +394,7 @@ class RequestTable:
         self._bt_w = np.array(widths, np.int64)
         self._flat_bt = np.zeros(ng, np.int64)
         # prediction of each update's rows from the previous one: double
-        # buffered, [2, max_num_reqs] (see _table_kernels)
+        # buffered, [2, max_num_reqs] (see _kernels.step)
         self._prev_obj = np.zeros((2, R), np.int64)
         self._prev_row = np.full((2, R), -1, np.int32)
         self._row_prev_pos = np.full((2, R), -1, np.int32)
@@ -754,7 +754,7 @@ class RequestTable:
         np.ndarray[int32]
             The rows updated.
         """
-        from mtpstate._array_kernels import update_from_arrays
+        from mtpstate._kernels.arrays import update_from_arrays
 
         return update_from_arrays(self, req_ids, num_computed_tokens, new_block_offsets, new_block_ids)
 
@@ -782,7 +782,7 @@ class RequestTable:
 
     def __del__(self):
         # the kernels hold a reference to each id object of the current
-        # prediction buffer (see _table_kernels); give them back. At
+        # prediction buffer (see _kernels.step); give them back. At
         # interpreter exit modules may be half torn down: then do nothing.
         try:
             ctx = self._ctx
@@ -792,7 +792,7 @@ class RequestTable:
             objs = self._prev_obj[cur, :n].tolist()
             ctx[T.TB_PREV_N] = 0
             ctx[T.TB_PREV_OWNED] = 0
-            from mtpstate._native import py_decref as decref
+            from mtpstate._kernels.native import py_decref as decref
 
             for obj in objs:
                 if obj:

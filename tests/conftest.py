@@ -17,7 +17,7 @@ settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci" if os.environ.ge
 def index_snapshot(ix):
     """Every array the index is made of, copied (error slots of the context
     excluded: they are scratch)."""
-    from mtpstate import _kernels as K
+    from mtpstate._kernels import index as K
 
     ctx = ix._ctx.copy()
     ctx[K.IX_ERR_POS : K.IX_ERR_PHASE + 1] = 0

@@ -5,7 +5,7 @@ import copy
 import numpy as np
 from hypothesis import strategies as st
 
-from mtpstate import _table_kernels as T
+from mtpstate._kernels import step as T
 
 # the simulator's knobs that shape a trace (each test adds its sizes)
 SIM_KNOBS = {
@@ -80,8 +80,8 @@ def run_differential(cfg, steps, **knobs):
     """Drive RequestTable and the loop oracle with one simulated trace and
     compare every field of every live row after every step."""
     from mtpstate import RequestTable
-    from mtpstate.reference import LoopRequestTable
-    from mtpstate.sim import Simulator
+    from mtpstate.tools.reference import LoopRequestTable
+    from mtpstate.tools.sim import Simulator
 
     sim = Simulator(**cfg, **knobs)
     fast, loop = RequestTable(**cfg), LoopRequestTable(**cfg)

@@ -22,9 +22,9 @@ import numpy as np
 from helpers import assert_same_snapshot, assert_tables_agree, table_snapshot
 
 from mtpstate import RequestTable, StateError
-from mtpstate.reference import LoopRequestTable
-from mtpstate.sim import SamplingParams
-from mtpstate.workloads import TokenBuffer, VllmCachedRequestData
+from mtpstate.tools.reference import LoopRequestTable
+from mtpstate.tools.sim import SamplingParams
+from mtpstate.tools.workloads import TokenBuffer, VllmCachedRequestData
 
 CFG = dict(max_num_reqs=8, max_model_len=64, block_sizes=(16,))
 

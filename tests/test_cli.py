@@ -10,7 +10,7 @@ import sys
 import numpy as np
 import pytest
 
-from mtpstate.cli import main
+from mtpstate.tools.cli import main
 
 
 def run_main(argv, capsys):

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from mtpstate.cli import build_parser
+from mtpstate.tools.cli import build_parser
 
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]

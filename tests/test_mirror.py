@@ -12,8 +12,8 @@ torch = pytest.importorskip(
 )
 
 from mtpstate import RequestTable, StateError  # noqa: E402
-from mtpstate.sim import CachedRequestData, SchedulerOutput, Simulator  # noqa: E402
-from mtpstate.workloads import steady_decode  # noqa: E402
+from mtpstate.tools.sim import CachedRequestData, SchedulerOutput, Simulator  # noqa: E402
+from mtpstate.tools.workloads import steady_decode  # noqa: E402
 
 NAMES = ["num_computed_tokens", "num_computed_prefill_tokens", "prefill_len", "prompt_len", "max_seq_len", "num_blocks"]
 

@@ -10,13 +10,13 @@ from test_index import (  # noqa: F401
     test_rejected_calls_change_nothing,
 )
 
-from mtpstate._native import JIT_DISABLED
+from mtpstate._kernels.native import JIT_DISABLED
 
 pytestmark = pytest.mark.skipif(not JIT_DISABLED, reason="collected again by `make test` under NUMBA_DISABLE_JIT=1")
 
 
 def test_jit_is_disabled():
-    from mtpstate import _kernels
+    from mtpstate._kernels import index as _kernels
 
     assert not hasattr(_kernels.ix_find, "signatures")
 

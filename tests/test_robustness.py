@@ -15,8 +15,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from mtpstate import RequestTable, StateError
-from mtpstate.reference import LoopRequestTable
-from mtpstate.sim import Simulator
+from mtpstate.tools.reference import LoopRequestTable
+from mtpstate.tools.sim import Simulator
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -105,7 +105,7 @@ def test_two_threads_on_one_table():
 
 def test_huge_ids_keep_memory_bounded():
     t = RequestTable(max_num_reqs=4096, max_model_len=64, block_sizes=(16,), max_id_bytes=256)
-    from mtpstate.sim import NewRequestData, SamplingParams, SchedulerOutput
+    from mtpstate.tools.sim import NewRequestData, SamplingParams, SchedulerOutput
 
     before = t.index._keys.nbytes
     with pytest.raises(StateError, match="max_id_bytes"):
@@ -125,7 +125,7 @@ def test_quiet_interpreter_exit():
     """Tables held as module globals (with owned id references) at exit."""
     code = (
         "import mtpstate\n"
-        "from mtpstate.workloads import steady_decode\n"
+        "from mtpstate.tools.workloads import steady_decode\n"
         "setup, timed = steady_decode(64, steps=3)\n"
         "T = mtpstate.RequestTable(max_num_reqs=64, max_model_len=16384)\n"
         "for so in setup + timed: T.apply(so)\n"

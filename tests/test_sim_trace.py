@@ -8,9 +8,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from mtpstate.replay import replay
-from mtpstate.sim import SimConfig, Simulator
-from mtpstate.trace import TraceError, load, record, save
+from mtpstate.tools.replay import replay
+from mtpstate.tools.sim import SimConfig, Simulator
+from mtpstate.tools.trace import TraceError, load, record, save
 
 configs = st.builds(
     SimConfig,
@@ -168,7 +168,7 @@ def test_compare_with_vllm_shaped_objects():
     vLLM's attribute names and other container types."""
     from types import SimpleNamespace as NS
 
-    from mtpstate.sim import step_differences
+    from mtpstate.tools.sim import step_differences
 
     sim = Simulator(SimConfig(num_spec=2, seed=2, preempt_prob=0.3))
     for so in sim.run(30):

@@ -19,9 +19,9 @@ from mtpstate import (
     StateError,
     UnknownRequestError,
 )
-from mtpstate import _table_kernels as T
-from mtpstate.reference import LoopRequestTable
-from mtpstate.sim import CachedRequestData, NewRequestData, SamplingParams, SchedulerOutput, Simulator
+from mtpstate._kernels import step as T
+from mtpstate.tools.reference import LoopRequestTable
+from mtpstate.tools.sim import CachedRequestData, NewRequestData, SamplingParams, SchedulerOutput, Simulator
 
 sim_configs = st.fixed_dictionaries(
     {
@@ -243,7 +243,7 @@ def test_long_unicode_and_surrogate_ids():
 
 _ROWS_SCRIPT = """
 from mtpstate import RequestTable
-from mtpstate.sim import Simulator
+from mtpstate.tools.sim import Simulator
 sim = Simulator(max_num_reqs=16, max_model_len=256, preempt_prob=0.3, abort_prob=0.2, abort_waiting_prob=0.2,
                 num_spec=2, prompt_len=(1, 60), output_len=(1, 30), seed=11)
 t = RequestTable(max_num_reqs=16, max_model_len=256)
@@ -353,7 +353,7 @@ def test_works_without_torch():
 import sys
 sys.modules["torch"] = None  # any import of torch now fails
 import mtpstate
-from mtpstate.sim import Simulator
+from mtpstate.tools.sim import Simulator
 t = mtpstate.RequestTable(max_num_reqs=8, max_model_len=256)
 for so in Simulator(max_num_reqs=8, max_model_len=256, seed=1).run(20):
     t.apply(so)

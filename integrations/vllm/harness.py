@@ -491,7 +491,7 @@ def run_workload(w: Workload, model_dir: str, check_pickled: bool = True, contro
     """Drive ``w``; compare mtpstate (and a pickled copy of each step) with the
     reference after every step. Returns counts of steps and disagreements."""
     import mtpstate
-    from mtpstate.reference import LegacyRequestTable
+    from mtpstate.tools.reference import LegacyRequestTable
 
     drv = Driver(w, model_dir)
     kw = dict(max_num_reqs=w.max_num_seqs, max_model_len=w.max_model_len, block_sizes=drv.block_sizes)

@@ -13,7 +13,7 @@ IMPLS = ("vectorized", "loop", "legacy")
 
 def _make(impl, cfg):
     from mtpstate import RequestTable
-    from mtpstate.reference import LegacyRequestTable, LoopRequestTable
+    from mtpstate.tools.reference import LegacyRequestTable, LoopRequestTable
 
     cls = {"vectorized": RequestTable, "loop": LoopRequestTable, "legacy": LegacyRequestTable}[impl]
     return cls(max_num_reqs=cfg["max_num_reqs"], max_model_len=cfg["max_model_len"], block_sizes=cfg["block_sizes"])

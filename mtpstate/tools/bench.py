@@ -157,8 +157,8 @@ def _time_tables(impls, n, setup, blobs, ids, repeats, tick=lambda: None):
     them alike. Each table is built once (hundreds of MB at large N, all
     pre-faulted); before every repeat it is emptied and the setup steps are
     applied again (untimed), which gives every repeat the same state."""
-    from mtpstate.sim import SchedulerOutput
-    from mtpstate.workloads import BLOCK_SIZE, MAX_MODEL_LEN
+    from mtpstate.tools.sim import SchedulerOutput
+    from mtpstate.tools.workloads import BLOCK_SIZE, MAX_MODEL_LEN
 
     tables = {
         name: cls(max_num_reqs=n, max_model_len=MAX_MODEL_LEN, block_sizes=[BLOCK_SIZE]) for name, cls in impls.items()
@@ -234,8 +234,8 @@ def bench_table(sizes, quick, progress, mirror=True):
     from functools import partial
 
     from mtpstate import RequestTable
-    from mtpstate.reference import LoopMirroredRequestTable, LoopRequestTable
-    from mtpstate.workloads import mixed, steady_decode
+    from mtpstate.tools.reference import LoopMirroredRequestTable, LoopRequestTable
+    from mtpstate.tools.workloads import mixed, steady_decode
 
     device = mirror_device() if mirror else None
     results = []
@@ -289,8 +289,8 @@ def bench_vllm(sizes, quick, progress):
     scheduler output to the batch -> row mapping ``idx_mapping``. Paired
     and interleaved per step; the two mappings are checked equal (untimed)."""
     from mtpstate import RequestTable
-    from mtpstate.reference import VllmLoopRequestTable
-    from mtpstate.workloads import BLOCK_SIZE, MAX_MODEL_LEN, vllm_busy, vllm_steady_decode
+    from mtpstate.tools.reference import VllmLoopRequestTable
+    from mtpstate.tools.workloads import BLOCK_SIZE, MAX_MODEL_LEN, vllm_busy, vllm_steady_decode
 
     results = []
     for workload in VLLM_WORKLOADS:
@@ -473,7 +473,7 @@ def run(
     """Run the benchmark parts in ``what``; print the report, write the JSON
     and plot if asked (``wrote(path)`` is called for each file written)."""
     from mtpstate import warmup
-    from mtpstate._native import COMPILE_NOTICE
+    from mtpstate._kernels.native import COMPILE_NOTICE
 
     sizes = sorted(set(sizes or (QUICK_SIZES if quick else SIZES)))
     compiled_before = COMPILE_NOTICE.total_s

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from mtpstate.sim import CachedRequestData, NewRequestData, SamplingParams, SchedulerOutput, Simulator
+from mtpstate.tools.sim import CachedRequestData, NewRequestData, SamplingParams, SchedulerOutput, Simulator
 
 MAX_MODEL_LEN = 16384
 BLOCK_SIZE = 16

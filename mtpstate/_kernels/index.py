@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from mtpstate._native import (
+from mtpstate._kernels.native import (
     OFF_ITEMS,
     OFF_SIZE,
     OFF_TYPE,

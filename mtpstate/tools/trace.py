@@ -20,7 +20,7 @@ from dataclasses import asdict
 import numpy as np
 
 from mtpstate.errors import StateError
-from mtpstate.sim import CachedRequestData, NewRequestData, SamplingParams, SchedulerOutput, SimConfig
+from mtpstate.tools.sim import CachedRequestData, NewRequestData, SamplingParams, SchedulerOutput, SimConfig
 
 __all__ = ["TraceError", "save", "load", "Trace"]
 
@@ -257,7 +257,7 @@ def load(path) -> Trace:
 
 def record(config: SimConfig, steps: int, path, progress=None) -> Trace:
     """Run the simulator for ``steps`` steps and save the trace."""
-    from mtpstate.sim import Simulator
+    from mtpstate.tools.sim import Simulator
 
     sim = Simulator(config)
     outs, truth = [], []

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from mtpstate._kernels import (
+from mtpstate._kernels.index import (
     E_BLOCK_OVERFLOW,
     E_BLOCK_VALUE,
     E_CAPACITY,
@@ -78,7 +78,7 @@ from mtpstate._kernels import (
     _vget,
     _write_key,
 )
-from mtpstate._native import (
+from mtpstate._kernels.native import (
     OFF_TYPE,
     decref,
     incref,

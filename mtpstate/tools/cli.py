@@ -156,7 +156,7 @@ class _Bar:
 
 
 def _sim_defaults():
-    from mtpstate.sim import SimConfig
+    from mtpstate.tools.sim import SimConfig
 
     return SimConfig()
 
@@ -197,7 +197,7 @@ example:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from mtpstate.bench import version_string
+    from mtpstate.tools.bench import version_string
 
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--debug", action="store_true", help="show the traceback of an error")
@@ -287,8 +287,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _cmd_sim(args) -> None:
-    from mtpstate.sim import SimConfig
-    from mtpstate.trace import record
+    from mtpstate.tools.sim import SimConfig
+    from mtpstate.tools.trace import record
 
     room = args.max_model_len - args.num_spec - 2
     if args.prompt_len[1] > room:  # a usage error only visible with two flags together
@@ -323,8 +323,8 @@ def _cmd_sim(args) -> None:
 
 
 def _cmd_replay(args) -> None:
-    from mtpstate.replay import IMPLS, plot_drift, replay
-    from mtpstate.trace import TraceError, load
+    from mtpstate.tools.replay import IMPLS, plot_drift, replay
+    from mtpstate.tools.trace import TraceError, load
 
     _check_input(args.file)
     _check_output(args.json, "--json")
@@ -356,7 +356,7 @@ def _cmd_replay(args) -> None:
 
 
 def _cmd_bench(args) -> None:
-    from mtpstate.bench import run
+    from mtpstate.tools.bench import run
 
     _check_output(args.json, "--json")
     _check_output(args.plot, "--plot")
@@ -367,7 +367,7 @@ def _cmd_bench(args) -> None:
 
 def _cmd_warmup(args) -> None:
     import mtpstate
-    from mtpstate._native import COMPILE_NOTICE
+    from mtpstate._kernels.native import COMPILE_NOTICE
 
     t = mtpstate.warmup()
     how = "compiled now" if COMPILE_NOTICE.total_s > 0 else "loaded from numba's on-disk cache"
