@@ -22,7 +22,6 @@ def warmup() -> float:
     no JIT compilation lands on the first scheduler step. Returns seconds
     spent."""
     import time
-
     from types import SimpleNamespace as NS
 
     t0 = time.perf_counter()

@@ -146,7 +146,8 @@ class RequestIndex:
         c[K.IX_CAP] = capacity
         c[K.IX_SEED] = seed & _HASH_BITS_ALL
         c[K.IX_HMASK] = (1 << _hash_bits) - 1
-        c[K.IX_T_LIST : K.IX_FALSE + 1] = PY_ADDRESSES
+        c[K.IX_T_LIST : K.IX_FALSE + 1] = PY_ADDRESSES[:8]
+        c[K.IX_T_DICT] = PY_ADDRESSES[8]
         c[K.IX_ASCII_OFF] = ASCII_DATA_OFFSET
         c[K.IX_MAX_KEY] = max_id_bytes
         c[K.IX_ARRAY_OK] = int(ARRAY_LAYOUT_OK)

@@ -12,12 +12,14 @@ from __future__ import annotations
 import array
 import math
 import operator
+from _thread import get_ident as _get_ident
 
 import numpy as np
 
 from mtpstate._kernels import index as K
-from mtpstate._kernels import step as T
+from mtpstate._kernels import slots as T
 from mtpstate._kernels.native import ARRAY_LAYOUT_OK
+from mtpstate._kernels.step import tb_apply
 from mtpstate.errors import (
     CapacityError,
     DuplicateRequestError,
@@ -114,6 +116,23 @@ def _ids_or_none(x, what: str, keep: list):
         keep.append(x)
         return x
     return _collection(x, what, keep) or None
+
+
+def _dict_of(x, what: str, keep: list) -> dict:
+    """A mapping given by the scheduler as an exact dict the kernel iterates
+    in place; anything else is copied here, once, in its own order."""
+    if type(x) is dict:
+        return x
+    if isinstance(x, (str, bytes)) or not hasattr(x, "keys"):
+        raise InvalidStepError(f"{what} must be a dict, got {type(x).__name__} {_short(x)}")
+    try:
+        d = {k: x[k] for k in list(x.keys())}
+    except StateError:
+        raise
+    except Exception as e:
+        raise InvalidStepError(f"{what}: reading it failed: {e!r}") from None
+    keep.append(d)
+    return d
 
 
 _NP_KINDS = {("i", 4): K.V_I32, ("i", 8): K.V_I64, ("u", 4): K.V_U32, ("u", 8): K.V_U64}
@@ -241,14 +260,30 @@ class StepResult:
     freed_rows : np.ndarray[int32]
         Rows freed by the step (finished, preempted, and live rows of
         re-sent new requests), ascending: the order they were freed in.
+    batch : BatchReqState or None
+        The step's batch in vLLM's batch order (see :class:`BatchReqState`).
     """
 
-    __slots__ = ("_res", "_ctx", "_R")
+    __slots__ = ("_res", "_ctx", "_R", "_batch")
 
-    def __init__(self, res, ctx, R):
+    def __init__(self, res, ctx, R, batch):
         self._res = res
         self._ctx = ctx
         self._R = R
+        self._batch = batch
+
+    @property
+    def batch(self) -> BatchReqState | None:
+        """The step's batch, as vLLM's ``gather_batch_req_state`` builds it,
+        or None when the table has no ``decode_query_len`` or the step no
+        ``num_scheduled_tokens``."""
+        n = int(self._ctx[T.TB_B_N])
+        if n < 0:
+            return None
+        b = self._batch
+        if b._n != n:
+            b._resize(n)
+        return b
 
     @property
     def cached_rows(self) -> np.ndarray:
@@ -275,6 +310,129 @@ class StepResult:
         )
 
 
+class BatchReqState:
+    """The step's batch, field for field vLLM 0.34's ``BatchReqState``
+    (``gather_batch_req_state`` in ``vllm/v1/worker/gpu/model_runner.py``),
+    computed by the step's kernel call. Only a table built with
+    ``decode_query_len`` makes one, from the step's ``num_scheduled_tokens``
+    and ``scheduled_spec_decode_tokens``.
+
+    The arrays are views of arrays the table preallocates, valid until the
+    next call that changes the table, like :class:`StepResult`'s; ``req_ids``
+    is a new list every step.
+
+    Attributes
+    ----------
+    req_ids : list[str]
+        The scheduled ids in batch order: ``sort_batch_req_ids``' order
+        (requests with drafts first; within each, ``decode_query_len``
+        tokens first, then by scheduled tokens; ties in dict order).
+    num_scheduled_tokens : np.ndarray[int32]
+    num_tokens : int
+        Sum of ``num_scheduled_tokens`` (checked against the step's
+        ``total_num_scheduled_tokens`` when it has one).
+    num_draft_tokens_np : np.ndarray[int32] or None
+        Draft tokens per request; None when the step has no drafts.
+    idx_mapping_np : np.ndarray[intp]
+        Batch position -> row.
+    prefill_len_np, num_computed_prefill_tokens_np, max_seq_len_np : np.ndarray[int32]
+        Those rows' state after the step.
+    is_prefilling_np : np.ndarray[bool]
+    has_prefill : bool
+    prefill_runs_as_decode_np : np.ndarray[bool] or None
+        Prefilling with one new token over existing context (runs as a
+        decode); None when nothing prefills.
+    decode_graph_eligible : bool
+    max_query_len : int
+        ``max(num_scheduled_tokens)``, 0 for an empty batch.
+    """
+
+    __slots__ = (
+        "_ctx",
+        "_b",
+        "_idx",
+        "_bb",
+        "_n",
+        "req_ids",
+        "num_scheduled_tokens",
+        "_num_draft_tokens",
+        "idx_mapping_np",
+        "prefill_len_np",
+        "num_computed_prefill_tokens_np",
+        "max_seq_len_np",
+        "is_prefilling_np",
+        "_prefill_runs_as_decode",
+    )
+
+    def __init__(self, ctx, b, idx, bb):
+        self._ctx = ctx
+        self._b = b  # [B_ROWS, max_num_reqs] int32
+        self._idx = idx  # [max_num_reqs] intp
+        self._bb = bb  # [BB_ROWS, max_num_reqs] bool
+        self.req_ids: list = []
+        self._resize(0)
+
+    def _resize(self, n: int) -> None:
+        # views change only when the batch size does (steady decode: never)
+        b, bb = self._b, self._bb
+        self._n = n
+        self.num_scheduled_tokens = b[T.B_NUM_SCHED, :n]
+        self._num_draft_tokens = b[T.B_DRAFTS, :n]
+        self.prefill_len_np = b[T.B_PREFILL, :n]
+        self.num_computed_prefill_tokens_np = b[T.B_NCPT, :n]
+        self.max_seq_len_np = b[T.B_MAXSEQ, :n]
+        self.idx_mapping_np = self._idx[:n]
+        self.is_prefilling_np = bb[T.BB_PREFILLING, :n]
+        self._prefill_runs_as_decode = bb[T.BB_RUNS_AS_DECODE, :n]
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self._ctx[T.TB_B_NUM_TOKENS])
+
+    @property
+    def num_draft_tokens_np(self) -> np.ndarray | None:
+        return self._num_draft_tokens if self._ctx[T.TB_B_HAS_DRAFTS] else None
+
+    @property
+    def has_prefill(self) -> bool:
+        return bool(self._ctx[T.TB_B_HAS_PREFILL])
+
+    @property
+    def prefill_runs_as_decode_np(self) -> np.ndarray | None:
+        return self._prefill_runs_as_decode if self._ctx[T.TB_B_HAS_PREFILL] else None
+
+    @property
+    def decode_graph_eligible(self) -> bool:
+        return bool(self._ctx[T.TB_B_GRAPH_OK])
+
+    @property
+    def max_query_len(self) -> int:
+        return int(self._ctx[T.TB_B_MAX_QUERY])
+
+    FIELDS = (
+        "req_ids",
+        "num_scheduled_tokens",
+        "num_tokens",
+        "num_draft_tokens_np",
+        "idx_mapping_np",
+        "prefill_len_np",
+        "num_computed_prefill_tokens_np",
+        "is_prefilling_np",
+        "max_seq_len_np",
+        "has_prefill",
+        "prefill_runs_as_decode_np",
+        "decode_graph_eligible",
+        "max_query_len",
+    )
+
+    def as_dict(self) -> dict:
+        """Every field by name (arrays still views)."""
+        return {f: getattr(self, f) for f in self.FIELDS}
+
+    def __repr__(self) -> str:
+        return f"BatchReqState(num_reqs={self._n}, num_tokens={self.num_tokens}, req_ids={self.req_ids[:4]}...)"
+
+
 _FIELD_NAMES = {
     K.FLD_NONE: "",
     K.FLD_REQ_ID: "req_id",
@@ -283,6 +441,9 @@ _FIELD_NAMES = {
     K.FLD_NCT: "num_computed_tokens",
     K.FLD_MAX_TOKENS: "sampling_params.max_tokens",
     K.FLD_BLOCKS: "block_ids",
+    K.FLD_COUNT: "num_scheduled_tokens",
+    K.FLD_DRAFTS: "scheduled_spec_decode_tokens",
+    K.FLD_TOTAL: "total_num_scheduled_tokens",
 }
 _PHASE_NAMES = {
     K.PH_FINISH: "finished request",
@@ -290,6 +451,8 @@ _PHASE_NAMES = {
     K.PH_NEW: "new request",
     K.PH_CACHED: "cached request",
     K.PH_RESUMED: "resumed request",
+    K.PH_BATCH: "scheduled request",
+    K.PH_SPEC: "scheduled_spec_decode_tokens entry",
 }
 
 
@@ -297,12 +460,47 @@ class _Step:
     """One step's inputs, bound: every attribute read once, every object the
     kernel will dereference held here for the whole call."""
 
-    __slots__ = ("fin", "pre", "new", "cid", "cnct", "cblk", "cres", "keep", "desc", "vec")
+    __slots__ = (
+        "fin",
+        "pre",
+        "new",
+        "cid",
+        "cnct",
+        "cblk",
+        "cres",
+        "keep",
+        "desc",
+        "vec",
+        "nst",
+        "keys",
+        "spec",
+        "total",
+    )
 
     def __init__(self):
         self.fin = self.pre = self.cid = self.cnct = self.cblk = self.cres = self.desc = self.vec = None
+        self.nst = self.keys = self.spec = self.total = None
         self.new = ()
         self.keep = []
+
+    def args(self) -> tuple:
+        """The kernel's argument tuple (``A_*`` slots)."""
+        kind, addr, n = self.vec if self.vec is not None else (0, 0, 0)
+        return (
+            self.fin,
+            self.pre,
+            self.desc or None,
+            self.cid,
+            kind,
+            addr,
+            n,
+            self.cblk,
+            self.cres,
+            self.nst,
+            self.keys,
+            self.spec,
+            self.total,
+        )
 
 
 class RequestTable:
@@ -336,6 +534,12 @@ class RequestTable:
         Touch every page of the host arrays now (default), so that no step
         pays the kernel's page faults (zeroing a 2 MiB huge page takes
         ~100 us) the first time it writes a row.
+    decode_query_len : int, optional
+        vLLM's ``decode_query_len`` (speculative steps + 1). When set,
+        ``apply`` also builds the step's batch (``StepResult.batch``, vLLM's
+        ``BatchReqState``) from ``num_scheduled_tokens`` and
+        ``scheduled_spec_decode_tokens`` in the same kernel call. None
+        (default): no batch, nothing extra paid.
 
     Notes
     -----
@@ -360,6 +564,7 @@ class RequestTable:
         seed: int | None = None,
         max_id_bytes: int = 512,
         prefault: bool = True,
+        decode_query_len: int | None = None,
         _hash_bits: int = 63,
     ):
         R = operator.index(max_num_reqs)
@@ -401,6 +606,16 @@ class RequestTable:
         self._scratch = np.zeros((T.num_scratch_rows(ng), R), np.int32)
         # rows of the last step: cached then new at [0, 2R), freed at [2R, 3R)
         self._res = np.zeros(3 * R, np.int32)
+        if decode_query_len is not None:
+            decode_query_len = operator.index(decode_query_len)
+            if decode_query_len <= 0:
+                raise ValueError(f"decode_query_len must be positive, got {decode_query_len}")
+        self.decode_query_len = decode_query_len
+        nb = R if decode_query_len else 0  # batch arrays only when a batch is built
+        self._b = np.zeros((T.B_ROWS, nb), np.int32)  # [B_ROWS, max_num_reqs]
+        self._b_idx = np.zeros(nb, np.intp)  # [max_num_reqs]: idx_mapping
+        self._b_bool = np.zeros((T.BB_ROWS, nb), np.bool_)  # [BB_ROWS, max_num_reqs]
+        self._b_obj = np.zeros((T.BO_ROWS, nb), np.int64)  # [BO_ROWS, max_num_reqs]
         self._mirror = None
         token_ids = None
         if device is not None:
@@ -430,7 +645,14 @@ class RequestTable:
         c[T.TB_FLAT_BT] = self._flat_bt.ctypes.data
         c[T.TB_FLAT_TOK] = -1
         c[T.TB_RES] = self._res.ctypes.data
-        self._result = StepResult(self._res, c, R)
+        c[T.TB_DQL] = decode_query_len or 0
+        c[T.TB_BATCH] = self._b.ctypes.data
+        c[T.TB_BATCH_IDX] = self._b_idx.ctypes.data
+        c[T.TB_BATCH_BOOL] = self._b_bool.ctypes.data
+        c[T.TB_BATCH_OBJ] = self._b_obj.ctypes.data
+        c[T.TB_B_N] = -1
+        self._batch = BatchReqState(c, self._b, self._b_idx, self._b_bool) if decode_query_len else None
+        self._result = StepResult(self._res, c, R, self._batch)
         # staging slots stay 0 (off, no buffer) unless a device mirror opens a step
         self._ix_addr = self._index._ctx_addr
         self._tb_addr = int(c.ctypes.data)
@@ -476,8 +698,26 @@ class RequestTable:
 
     # -- internals ---------------------------------------------------------
 
-    def _bind(self, fin, pre, new_reqs, cached) -> _Step:
-        """Read the step's inputs once into a _Step (see its docstring)."""
+    @staticmethod
+    def _read_cached(cached) -> tuple:
+        """(req_ids, num_computed_tokens, new_block_ids, resumed_req_ids) of
+        ``scheduled_cached_reqs``, each attribute read once."""
+        if cached is None:
+            raise InvalidStepError("scheduled_cached_reqs is None")
+        try:
+            cid = cached.req_ids
+            cnct = cached.num_computed_tokens
+            cblk = cached.new_block_ids
+            cres = getattr(cached, "resumed_req_ids", None)
+        except Exception as e:
+            raise InvalidStepError(f"scheduled_cached_reqs: {e!r}") from None
+        return cid, cnct, cblk, cres
+
+    def _bind(self, fin, pre, new_reqs, cached, batch) -> _Step:
+        """Read the step's inputs once into a _Step (see its docstring).
+        ``cached``: the fields from ``_read_cached`` or None; ``batch``:
+        (num_scheduled_tokens, scheduled_spec_decode_tokens,
+        total_num_scheduled_tokens, list of the ids) or None."""
         b = _Step()
         keep = b.keep
         if fin is not None:
@@ -491,41 +731,39 @@ class RequestTable:
                 if new_reqs:
                     b.new = [_read_new_request(r, k) for k, r in enumerate(new_reqs)]
         if cached is not None:
-            try:
-                cid = cached.req_ids
-            except Exception as e:
-                raise InvalidStepError(f"scheduled_cached_reqs.req_ids: {e!r}") from None
+            cid, cnct, cblk, cres = cached
             t = type(cid)
             if t is not list and t is not tuple:
                 cid = _collection(cid, "scheduled_cached_reqs.req_ids", keep)
-            if cid:
-                try:
-                    cnct = cached.num_computed_tokens
-                    cblk = cached.new_block_ids
-                    cres = getattr(cached, "resumed_req_ids", None)
-                except Exception as e:
-                    raise InvalidStepError(f"scheduled_cached_reqs: {e!r}") from None
-                t = type(cnct)
-                if t is list or t is tuple:
+            t = type(cnct)
+            if t is list or t is tuple:
+                vec = (K.V_OBJ, id(cnct), 0)
+            else:
+                if cnct is None:
+                    raise InvalidStepError("scheduled_cached_reqs.num_computed_tokens is None")
+                vec = _int_vector(cnct, keep)
+                if vec is None:
+                    cnct = _collection(cnct, "scheduled_cached_reqs.num_computed_tokens", keep)
                     vec = (K.V_OBJ, id(cnct), 0)
-                else:
-                    if cnct is None:
-                        raise InvalidStepError("scheduled_cached_reqs.num_computed_tokens is None")
-                    vec = _int_vector(cnct, keep)
-                    if vec is None:
-                        cnct = _collection(cnct, "scheduled_cached_reqs.num_computed_tokens", keep)
-                        vec = (K.V_OBJ, id(cnct), 0)
-                b.cid = cid
-                b.cnct = cnct
-                b.vec = vec
-                t = type(cblk)
-                b.cblk = (
-                    cblk
-                    if (t is list or t is tuple)
-                    else _collection(cblk, "scheduled_cached_reqs.new_block_ids", keep)
-                )
-                if cres is not None:
-                    b.cres = _ids_or_none(cres, "scheduled_cached_reqs.resumed_req_ids", keep)
+            t = type(cblk)
+            if t is not list and t is not tuple:
+                cblk = _collection(cblk, "scheduled_cached_reqs.new_block_ids", keep)
+            # the three lists are checked for equal length even when empty
+            b.cid = cid
+            b.cnct = cnct
+            b.vec = vec
+            b.cblk = cblk
+            if cres is not None:
+                b.cres = _ids_or_none(cres, "scheduled_cached_reqs.resumed_req_ids", keep)
+        if batch is not None:
+            nst, spec, total, keys = batch
+            b.nst = _dict_of(nst, "num_scheduled_tokens", keep)
+            b.keys = keys if (keys is not None and b.nst is nst) else list(b.nst)
+            if spec is not None:
+                b.spec = _dict_of(spec, "scheduled_spec_decode_tokens", keep)
+            if total is not None and type(total) is not int:
+                total = _as_int(total, "total_num_scheduled_tokens")
+            b.total = total
         return b
 
     def _describe_new(self, b: _Step) -> None:
@@ -570,7 +808,31 @@ class RequestTable:
             b.cid = ids
             b.cnct = cnct
             b.vec = (K.V_OBJ, id(cnct), 0)
-        keep.append((b.fin, b.pre, b.cid, b.cnct, b.cblk, b.cres))
+        if b.nst is not None:
+            ids = canonical_ids(b.keys, "scheduled request id")
+            counts = [_as_int(b.nst[k], f"scheduled request {key_text(r)!r}: num_scheduled_tokens")
+                      for k, r in zip(b.keys, ids)]  # fmt: skip
+            b.nst = dict(zip(ids, counts))
+            if len(b.nst) != len(ids):
+                raise DuplicateRequestError("num_scheduled_tokens lists an id twice")
+            b.keys = list(b.nst)
+        if b.spec is not None:
+            spec = {}
+            for k, v in list(b.spec.items()):
+                if not isinstance(k, str):
+                    continue  # never equal to a scheduled id: vLLM ignores it too
+                (key,) = canonical_ids([k], "scheduled_spec_decode_tokens id")
+                if type(v) is not list and type(v) is not tuple:
+                    try:
+                        v = (0,) * len(v)
+                    except Exception:
+                        raise InvalidStepError(
+                            f"scheduled_spec_decode_tokens entry {key_text(key)!r}: the draft tokens must be a "
+                            f"list, got {type(v).__name__} {_short(v)}"
+                        ) from None
+                spec[key] = v
+            b.spec = spec
+        keep.append((b.fin, b.pre, b.cid, b.cnct, b.cblk, b.cres, b.nst, b.keys, b.spec))
         self._describe_new(b)
 
     def _launch(self, b: _Step) -> None:
@@ -586,23 +848,13 @@ class RequestTable:
             while True:
                 if mirror is not None:
                     mirror.begin_step()
-                kind, addr, n = b.vec if b.vec is not None else (0, 0, 0)
-                status = T.tb_apply(
-                    self._ix_addr,
-                    self._tb_addr,
-                    id(b.fin) if b.fin is not None else 0,
-                    id(b.pre) if b.pre is not None else 0,
-                    id(b.desc) if b.desc else 0,
-                    id(b.cid) if b.cid is not None else 0,
-                    kind,
-                    addr,
-                    n,
-                    id(b.cblk) if b.cblk is not None else 0,
-                    id(b.cres) if b.cres is not None else 0,
-                )
+                args = b.args()
+                status = tb_apply(self._ix_addr, self._tb_addr, id(args))
                 if status == K.OK:
                     if mirror is not None:
                         mirror.end_step(int(self._ctx[T.TB_STG_N]), deduplicate=bool(self._ctx[T.TB_STG_DUPS]))
+                    if b.keys is not None:
+                        self._batch.req_ids = b.keys
                     return
                 if status == K.E_KEY_TOO_LONG:
                     self._index._widen_keys(int(self._ctx[T.TB_ERR_ARG]))
@@ -627,6 +879,10 @@ class RequestTable:
         phase, field = int(ctx[T.TB_ERR_PHASE]), int(ctx[T.TB_ERR_FIELD])
         if phase == K.PH_NEW:
             ids = [r.req_id for r in b.new]
+        elif phase == K.PH_BATCH:
+            ids = b.keys
+        elif phase == K.PH_SPEC:
+            ids = list(b.spec) if b.spec is not None else None
         else:
             ids = {K.PH_FINISH: b.fin, K.PH_PREEMPT: b.pre, K.PH_CACHED: b.cid, K.PH_RESUMED: b.cres}.get(phase)
         rid = key_text(ids[pos]) if (ids is not None and 0 <= pos < len(ids)) else None
@@ -638,12 +894,29 @@ class RequestTable:
         at = f"{who}, field {fname}" if fname else who
         L = self.max_model_len
         if status == K.E_UNKNOWN:
+            if phase == K.PH_BATCH:
+                raise UnknownRequestError(rid, "scheduled (num_scheduled_tokens) but not live after the step")
             raise UnknownRequestError(rid, "finished or preempted in this step" if arg else "not live")
+        if status == K.E_CHANGED:
+            raise InvalidStepError(f"{_FIELD_NAMES[K.FLD_COUNT]} changed while the step was applied")
+        if status == K.E_COUNT_VALUE:
+            value = f"={arg}" if arg != -1 else " (out of int64 range)"
+            raise InvalidStepError(f"{at}: num_scheduled_tokens{value} outside [0, 2**31)")
+        if status == K.E_TOTAL:
+            raise InvalidStepError(
+                f"total_num_scheduled_tokens={_short(b.total)} but num_scheduled_tokens sum to {arg}"
+            )
+        if status == K.E_BATCH_SIZE:
+            raise InvalidStepError(
+                f"num_scheduled_tokens has {arg} entries, more than max_num_reqs={self.max_num_reqs}"
+            )
         if status == K.E_DUPLICATE:
             if phase == K.PH_NEW:
                 raise DuplicateRequestError(f"new request id {rid!r} appears twice in the step")
             if pos < 0:
                 raise DuplicateRequestError(f"{arg} cached requests exceed max_num_reqs={self.max_num_reqs}")
+            if phase == K.PH_BATCH:
+                raise DuplicateRequestError(f"scheduled request {rid!r} has the row of another scheduled id")
             raise DuplicateRequestError(f"cached request {rid!r} is listed twice in the step")
         if status == K.E_CAPACITY:
             free = self.max_num_reqs - len(self._index)
@@ -679,11 +952,11 @@ class RequestTable:
             raise InvalidStepError(f"{at}: unsupported value")
         raise StateError(f"internal error: kernel status {status} at {at} (position {pos})")  # pragma: no cover
 
-    def _step(self, fin, pre, new_reqs, cached) -> StepResult:
+    def _step(self, fin, pre, new_reqs, cached, batch=None) -> StepResult:
         guard = self._guard
         guard.enter()
         try:
-            self._launch(self._bind(fin, pre, new_reqs, cached))
+            self._launch(self._bind(fin, pre, new_reqs, cached, batch))
         finally:
             guard.exit()
         return self._result
@@ -691,7 +964,8 @@ class RequestTable:
     # -- public API --------------------------------------------------------
 
     def apply(self, scheduler_output) -> StepResult:
-        """Apply one scheduler step: finish, add, update (see docs/api.md).
+        """Apply one scheduler step: finish, add, update (see docs/api.md),
+        and, for a table with ``decode_query_len``, build its batch.
 
         Validates the whole step: on bad input it raises a
         :class:`~mtpstate.StateError` naming the request and field, and
@@ -700,20 +974,73 @@ class RequestTable:
         Returns
         -------
         StepResult
-            Rows of the cached, new and freed requests (views valid until
-            the next call that changes the table).
+            Rows of the cached, new and freed requests, and the batch
+            (views valid until the next call that changes the table).
         """
-        so = scheduler_output
+        guard = self._guard
+        lock = guard._lock
+        if lock.acquire(False):
+            guard._owner = _get_ident()
+        else:
+            guard.enter()  # another thread: wait; this one (a callback): StateError
+        try:
+            return self._apply_locked(scheduler_output)
+        finally:
+            guard._owner = None
+            lock.release()
+
+    def _apply_locked(self, so) -> StepResult:
         try:
             fin = so.finished_req_ids
             pre = so.preempted_req_ids
             new = so.scheduled_new_reqs
             cached = so.scheduled_cached_reqs
+            batch = None
+            if self.decode_query_len is not None:
+                nst = getattr(so, "num_scheduled_tokens", None)
+                if nst is not None:
+                    spec = getattr(so, "scheduled_spec_decode_tokens", None)
+                    batch = (nst, spec, getattr(so, "total_num_scheduled_tokens", None), None)
+        except StateError:
+            raise
         except Exception as e:
             raise InvalidStepError(f"not a scheduler output: {e!r}") from None
-        if cached is None:
-            raise InvalidStepError("scheduled_cached_reqs is None")
-        return self._step(fin, pre, new, cached)
+        cfields = self._read_cached(cached)
+        # the steady state of decoding (nothing finished or added, exact
+        # lists and dicts): the kernel's arguments straight from the step
+        tf, tp, tn = type(fin), type(pre), type(new)
+        if (
+            self._mirror is None
+            and (tf is set or tf is frozenset or tf is list or tf is tuple)
+            and not fin
+            and (pre is None or ((tp is set or tp is frozenset or tp is list or tp is tuple) and not pre))
+            and (tn is list or tn is tuple)
+            and not new
+        ):
+            cid, cnct, cblk, cres = cfields
+            if type(cid) is list and type(cnct) is list and type(cblk) is list and cres is None:
+                keys = None
+                if batch is None:
+                    args = (None, None, None, cid, 0, id(cnct), 0, cblk, None, None, None, None, None)
+                else:
+                    nst, spec, total, _ = batch
+                    if (
+                        type(nst) is dict
+                        and (spec is None or type(spec) is dict)
+                        and (total is None or type(total) is int)
+                    ):
+                        keys = [*nst]
+                        batch = (nst, spec, total, keys)
+                        args = (None, None, None, cid, 0, id(cnct), 0, cblk, None, nst, keys, spec, total)
+                    else:
+                        args = None
+                if args is not None and tb_apply(self._ix_addr, self._tb_addr, id(args)) == K.OK:
+                    if keys is not None:
+                        self._batch.req_ids = keys
+                    return self._result
+                # anything else: the general handling (the kernel changed nothing)
+        self._launch(self._bind(fin, pre, new, cfields, batch))
+        return self._result
 
     def finish(self, req_ids) -> StepResult:
         """Remove these requests (unknown ids are ignored)."""
@@ -725,9 +1052,7 @@ class RequestTable:
 
     def update(self, cached_reqs) -> StepResult:
         """Update running requests (shaped like vLLM's ``CachedRequestData``)."""
-        if cached_reqs is None:
-            raise InvalidStepError("scheduled_cached_reqs is None")
-        return self._step(None, None, None, cached_reqs)
+        return self._step(None, None, None, self._read_cached(cached_reqs))
 
     @property
     def python_path_steps(self) -> int:

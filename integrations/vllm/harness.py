@@ -171,6 +171,7 @@ class Workload:
     shared_prefix: float = 0.0  # fraction of prompts starting with a shared prefix
     unicode_ids: bool = False
     prompt_embeds: float = 0.0  # fraction of requests sent as prompt embeddings (no prompt token ids)
+    initial: int = 0  # requests added before the first step (a burst)
     seed: int = 0
 
 
@@ -197,6 +198,44 @@ WORKLOADS = {
             max_tokens=(60, 200),
             num_blocks=20000,
             seed=6,
+        ),
+    )
+}
+
+# timing only (make bench-vllm): N running, steady decode (a burst, then no
+# arrivals; only steps with nothing added or finished are timed) and busy
+# (arrivals and finishes every step), MTP k=3
+BENCH_WORKLOADS = {
+    w.name: w
+    for n in (256, 1024)
+    for w in (
+        Workload(
+            f"steady-{n}",
+            steps=60,
+            num_spec=3,
+            max_num_seqs=n,
+            max_num_batched_tokens=16384,
+            arrivals=0.0,
+            initial=n,
+            prompt_len=(8, 64),
+            max_tokens=(400, 500),
+            abort=0.0,
+            num_blocks=n * 40,
+            seed=11,
+        ),
+        Workload(
+            f"busy-{n}",
+            steps=60,
+            num_spec=3,
+            max_num_seqs=n,
+            max_num_batched_tokens=16384,
+            arrivals=n / 24,
+            initial=n,
+            prompt_len=(8, 200),
+            max_tokens=(10, 80),
+            abort=0.2,
+            num_blocks=n * 40,
+            seed=12,
         ),
     )
 }
@@ -295,6 +334,11 @@ class MRV2Reference:
         self.model_state = self.lora_state = self.draft_tokens_handler = _Null()
         self.is_last_pp_rank = False  # the sampler's per-request state is not compared
         self._runner = GPUModelRunner
+        # what gather_batch_req_state reads besides the request state
+        self.decode_query_len = num_spec + 1
+        self.use_pp = False
+        self.adaptive_verification = None
+        self.pcp_manager = None
         self.mtp = None  # the patched runner's switch (integrations/vllm/mtpstate-mrv2.patch)
         if use_mtpstate:
             from mtpstate.integrations.vllm import ModelRunnerV2State
@@ -311,6 +355,10 @@ class MRV2Reference:
 
     def _remove_request(self, req_id):
         return self._runner._remove_request(self, req_id)
+
+    def gather(self, so):
+        """vLLM's own ``gather_batch_req_state`` for the step just applied."""
+        return self._runner.gather_batch_req_state(self, so, False)[0]
 
     def state(self) -> dict:
         """Per request id: every field the comparison covers."""
@@ -371,6 +419,42 @@ def diff_states(ref: dict, got: dict, limit: int = 5) -> list[str]:
                 out.append(f"{rid!r}.{k}: vLLM {str(v)[:60]} vs {str(got[rid][k])[:60]}")
                 if len(out) >= limit:
                     return out
+    return out
+
+
+BATCH_FIELDS = (
+    "num_scheduled_tokens",
+    "num_tokens",
+    "num_draft_tokens_np",
+    "prefill_len_np",
+    "num_computed_prefill_tokens_np",
+    "is_prefilling_np",
+    "has_prefill",
+    "prefill_runs_as_decode_np",
+    "decode_graph_eligible",
+)
+
+
+def diff_batches(ref, ref_ids_of_rows, got, got_ids_of_rows) -> list[str]:
+    """Disagreements between vLLM's ``BatchReqState`` and mtpstate's batch,
+    field by field; ``idx_mapping_np`` through each side's own rows."""
+    if got is None:
+        return ["batch: None"]
+    out = []
+    if list(got.req_ids) != list(ref.req_ids):
+        out.append(f"batch.req_ids: vLLM {list(ref.req_ids)[:4]} vs {list(got.req_ids)[:4]}")
+    for f in BATCH_FIELDS:
+        a, b = getattr(ref, f), getattr(got, f)
+        if a is None or b is None or not isinstance(a, np.ndarray):
+            same = (a is None) == (b is None) and (a is None or a == b)
+        else:
+            same = a.dtype == b.dtype and np.array_equal(a, b)
+        if not same:
+            out.append(f"batch.{f}: vLLM {str(a)[:60]} vs {str(b)[:60]}")
+    if ref_ids_of_rows(ref.idx_mapping_np) != got_ids_of_rows(got.idx_mapping_np):
+        out.append("batch.idx_mapping_np: rows map to other ids")
+    if got.idx_mapping_np.dtype != ref.idx_mapping_np.dtype:
+        out.append(f"batch.idx_mapping_np dtype {got.idx_mapping_np.dtype}")
     return out
 
 
@@ -451,6 +535,8 @@ class Driver:
         depth = 2 if self.w.async_scheduling else 1
         queue: deque = deque()
         emitted = 0
+        for _ in range(self.w.initial):
+            self.sched.add_request(self._new_request())
         while emitted < self.w.steps:
             k = np.random.default_rng(self.rng.getrandbits(32)).poisson(self.w.arrivals)
             for _ in range(k):
@@ -496,9 +582,10 @@ def run_workload(w: Workload, model_dir: str, check_pickled: bool = True, contro
     drv = Driver(w, model_dir)
     kw = dict(max_num_reqs=w.max_num_seqs, max_model_len=w.max_model_len, block_sizes=drv.block_sizes)
     ref = MRV2Reference(w.max_num_seqs, w.max_model_len, w.max_num_batched_tokens, drv.block_sizes, w.num_spec)
-    ours = mtpstate.RequestTable(**kw)
-    ours_pickled = mtpstate.RequestTable(**kw) if check_pickled else None
+    ours = mtpstate.RequestTable(**kw, decode_query_len=w.num_spec + 1)
+    ours_pickled = mtpstate.RequestTable(**kw, decode_query_len=w.num_spec + 1) if check_pickled else None
     legacy = LegacyRequestTable(**kw) if control else None
+    ref_ids = lambda rows: [ref.req_states.index_to_req_id[int(r)] for r in rows]  # noqa: E731
     res = {"workload": w.name, "steps": 0, "disagreements": 0, "control_disagreements": 0, "first": []}
     kinds = {
         "new": 0,
@@ -513,12 +600,17 @@ def run_workload(w: Workload, model_dir: str, check_pickled: bool = True, contro
     for so in drv.steps():
         blob = pickle.dumps(so)
         ref.apply(so)
-        ours.apply(so)
+        got = ours.apply(so).batch
         expect = ref.state()
         bad = diff_states(expect, table_state(ours))
+        vbatch = ref.gather(so)
+        bad += diff_batches(vbatch, ref_ids, got, lambda rows: [ours.index.req_id(int(r)) for r in rows])
         if ours_pickled is not None:
-            ours_pickled.apply(pickle.loads(blob))
+            got = ours_pickled.apply(pickle.loads(blob)).batch
             bad += [f"(pickled) {b}" for b in diff_states(expect, table_state(ours_pickled))]
+            ids_p = lambda rows: [ours_pickled.index.req_id(int(r)) for r in rows]  # noqa: E731
+            bad += [f"(pickled) {b}" for b in diff_batches(vbatch, ref_ids, got, ids_p)]
+        res["batch_steps"] = res.get("batch_steps", 0) + 1
         if legacy is not None:
             legacy.apply(pickle.loads(blob))
             if diff_states(expect, table_state(legacy), limit=1):
@@ -607,48 +699,68 @@ class _NoLaunch:
         return lambda *args, **kwargs: None
 
 
+def _quiet(so) -> bool:
+    return not so.scheduled_new_reqs and not so.finished_req_ids and not so.preempted_req_ids
+
+
 def _bench(w, model_dir, repeats, patched):
+    """Per step, interleaved: vLLM (finish/free_states/add/update_requests,
+    apply_staged_writes, then gather_batch_req_state) against
+    ``RequestTable(decode_query_len=...).apply(so).batch``, and
+    ``RequestTable.apply`` alone (no batch) for the apply-only figure. A
+    ``steady-*`` workload times only the steps that add and finish nothing."""
     from vllm.v1.worker.gpu.model_runner import sort_batch_req_ids
 
     import mtpstate
 
     drv = Driver(w, model_dir)
-    blobs = [pickle.dumps(so) for so in drv.steps()]
+    steps = list(drv.steps())
+    blobs = [pickle.dumps(so) for so in steps]
+    timed = [not w.name.startswith("steady") or _quiet(so) for so in steps]
     kw = dict(max_num_reqs=w.max_num_seqs, max_model_len=w.max_model_len, block_sizes=drv.block_sizes)
     dq = 1 + w.num_spec
-    t_ref, t_ours = [], []
+    t_ref, t_ours, t_apply, running = [], [], [], []
     for _ in range(repeats):
         args = (w.max_num_seqs, w.max_model_len, w.max_num_batched_tokens, drv.block_sizes, w.num_spec)
         ref = MRV2Reference(*args)
-        ours = mtpstate.RequestTable(**kw)
+        ours = mtpstate.RequestTable(**kw, decode_query_len=dq)
+        alone = mtpstate.RequestTable(**kw)
         if patched:
             sub = MRV2Reference(*args, use_mtpstate=True)
-        for b in blobs:
-            s1, s2 = pickle.loads(b), pickle.loads(b)
-            o1 = sort_batch_req_ids(s1.num_scheduled_tokens, s1.scheduled_spec_decode_tokens, dq)
-            o2 = sort_batch_req_ids(s2.num_scheduled_tokens, s2.scheduled_spec_decode_tokens, dq)
+        for b, keep in zip(blobs, timed):
+            s1, s2, s3 = pickle.loads(b), pickle.loads(b), pickle.loads(b)
             t0 = time.perf_counter()
             ref.apply(s1)
-            m1 = np.fromiter(map(ref.req_states.req_id_to_index.__getitem__, o1), np.intp, len(o1))
+            vb = ref.gather(s1)
             t1 = time.perf_counter()
             if patched:
+                o2 = sort_batch_req_ids(s2.num_scheduled_tokens, s2.scheduled_spec_decode_tokens, dq)
                 sub.apply(s2)
                 m2 = sub.mtp.batch_rows(o2)
             else:
-                ours.apply(s2)
-                m2 = ours.rows(o2)
+                m2 = ours.apply(s2).batch.idx_mapping_np
             t2 = time.perf_counter()
-            t_ref.append(t1 - t0)
-            t_ours.append(t2 - t1)
-            assert len(m1) == len(m2) == len(o1)
+            alone.apply(s3)
+            t3 = time.perf_counter()
+            assert len(m2) == len(vb.idx_mapping_np)
+            if keep:
+                t_ref.append(t1 - t0)
+                t_ours.append(t2 - t1)
+                t_apply.append(t3 - t2)
+                running.append(len(s1.num_scheduled_tokens))
     ratios = np.array(t_ref) / np.array(t_ours)
+    n_med = statistics.median(running)
     return {
         "workload": w.name,
-        "subject": "patched runner (mtpstate on)" if patched else "RequestTable.apply + rows",
+        "subject": "patched runner (mtpstate on)" if patched else "RequestTable.apply(so).batch",
         "steps": len(blobs),
+        "timed_steps": len(t_ref),
         "repeats": repeats,
+        "median_running": n_med,
         "mrv2_median_us": statistics.median(t_ref) * 1e6,
         "mtpstate_median_us": statistics.median(t_ours) * 1e6,
+        "apply_alone_median_us": statistics.median(t_apply) * 1e6,
+        "apply_alone_ns_per_request": statistics.median(t_apply) * 1e9 / max(n_med, 1),
         "speedup": statistics.median(t_ref) / statistics.median(t_ours),
         "paired_median": float(np.median(ratios)),
         "paired_p10": float(np.percentile(ratios, 10)),
@@ -658,7 +770,12 @@ def _bench(w, model_dir, repeats, patched):
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--workload", choices=sorted(WORKLOADS), action="append", help="default: all")
+    p.add_argument(
+        "--workload",
+        choices=sorted({**WORKLOADS, **BENCH_WORKLOADS}),
+        action="append",
+        help="default: all (with --bench: the timing workloads)",
+    )
     p.add_argument("--steps", type=int, help="override each workload's step count")
     p.add_argument("--bench", action="store_true", help="paired timing instead of the differential")
     p.add_argument("--patched", action="store_true", help="the patched runner (mtpstate on) against itself off")
@@ -666,10 +783,11 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     install_cpu_shims()
     model_dir = write_model_dir()
-    names = args.workload or sorted(WORKLOADS)
+    table = {**WORKLOADS, **BENCH_WORKLOADS}
+    names = args.workload or sorted(BENCH_WORKLOADS if args.bench and not args.patched else WORKLOADS)
     results, failed = [], False
     for name in names:
-        w = WORKLOADS[name] if args.steps is None else replace(WORKLOADS[name], steps=args.steps)
+        w = table[name] if args.steps is None else replace(table[name], steps=args.steps)
         t0 = time.perf_counter()
         if args.bench:
             r = bench_workload(w, model_dir, patched=args.patched)

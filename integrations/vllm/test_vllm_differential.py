@@ -1,6 +1,6 @@
 """`make test-vllm`: mtpstate against vLLM 0.34.0's real scheduler and real
-Model Runner V2 state code (see harness.py). Several thousand real steps,
-0 disagreements; the legacy table (increments num_computed_tokens) must
+Model Runner V2 state code (see harness.py), and StepResult.batch against
+its real gather_batch_req_state. Several thousand real steps, 0 disagreements; the legacy table (increments num_computed_tokens) must
 disagree under speculative decoding, which shows the comparison can fail."""
 
 import os
@@ -29,6 +29,7 @@ def test_agrees_with_vllm(model_dir, name):
     r = harness.run_workload(w, model_dir)
     print(r)
     assert r["steps"] == w.steps
+    assert r["batch_steps"] == w.steps  # StepResult.batch vs gather_batch_req_state, every step
     assert r["disagreements"] == 0, r["first"]
     assert r["python_path_steps"] == 0  # vLLM's TokenBuffers and lists are read in place
     if w.num_spec:  # the negative control: the pre-fix engine drifts under speculative decoding

@@ -61,6 +61,10 @@ E_MAX_TOKENS = 16
 E_LENGTHS = 17
 E_INT_RANGE = 18  # an int outside int64 (or outside what its field allows)
 E_ID_TOO_LONG = 19  # a request id longer than max_id_bytes
+E_CHANGED = 20  # a dict changed between the Python side's read and the kernel's
+E_COUNT_VALUE = 21  # a scheduled-token count outside [0, 2**31)
+E_TOTAL = 22  # total_num_scheduled_tokens differs from the sum of the counts
+E_BATCH_SIZE = 23  # more scheduled requests than rows
 
 # phases, reported in the error context: which input the failing item is in
 PH_FINISH = 0  # finished_req_ids
@@ -68,6 +72,8 @@ PH_NEW = 1  # scheduled_new_reqs
 PH_CACHED = 2  # scheduled_cached_reqs
 PH_PREEMPT = 3  # preempted_req_ids
 PH_RESUMED = 4  # scheduled_cached_reqs.resumed_req_ids
+PH_BATCH = 5  # num_scheduled_tokens
+PH_SPEC = 6  # scheduled_spec_decode_tokens
 
 # fields, reported in the error context: which attribute of the item
 FLD_NONE = 0
@@ -77,6 +83,9 @@ FLD_TOKENS = 3  # prefill_token_ids
 FLD_NCT = 4  # num_computed_tokens
 FLD_MAX_TOKENS = 5
 FLD_BLOCKS = 6  # block_ids / new_block_ids
+FLD_COUNT = 7  # the value of a num_scheduled_tokens entry
+FLD_DRAFTS = 8  # the value of a scheduled_spec_decode_tokens entry
+FLD_TOTAL = 9  # total_num_scheduled_tokens
 
 # kinds of int vectors the kernels read in place (token ids, counts)
 V_OBJ = 0  # an exact list or tuple of exact ints: addr is the object
@@ -120,7 +129,8 @@ IX_FALSE = 22
 IX_ASCII_OFF = 23  # data offset of compact ASCII str objects, 0 = read them through the C API
 IX_MAX_KEY = 24  # max_id_bytes: longer ids are refused (new) or cannot be live (lookups)
 IX_ARRAY_OK = 25  # 1: array.array's object layout was verified at import (ob_item, ob_descr)
-IX_SIZE = 26
+IX_T_DICT = 26
+IX_SIZE = 27
 
 
 @jit(signature="int64(int64[::1], int64, int64, int64, int64)")
@@ -143,6 +153,7 @@ def _pytypes(ctx):
         ctx[IX_TRUE],
         ctx[IX_FALSE],
         ctx[IX_ASCII_OFF],
+        ctx[IX_T_DICT],
     )
 
 
@@ -508,3 +519,36 @@ def ix_rehash(ctx_addr):
     for r in range(ctx[IX_CAP]):
         if key_len[r] >= 0:
             _slot_insert(slots, ctx[IX_MASK], row_hash[r], r)
+
+
+# ----------------------------------------------------------------------------
+# small open-addressing tables of one step's own keys (new ids, resumed ids)
+
+
+@jit
+def _small_table(n):
+    tsize = 8
+    while tsize < 2 * n:
+        tsize *= 2
+    return np.full(tsize, -1, np.int64), tsize - 1
+
+
+@jit
+def _table_find(tab, tmask, t_hash, t_ptr, t_len, h, ptr, klen):
+    """Index of the key in a small table of this step's keys, or -1;
+    compared by bytes."""
+    s = np.int64(h & np.uint64(tmask))
+    while tab[s] >= 0:
+        k = tab[s]
+        if t_hash[k] == h and _raw_equal(t_ptr[k], t_len[k], ptr, klen):
+            return k
+        s = (s + 1) & tmask
+    return -1
+
+
+@jit
+def _table_add(tab, tmask, h, k):
+    s = np.int64(h & np.uint64(tmask))
+    while tab[s] >= 0:
+        s = (s + 1) & tmask
+    tab[s] = k

@@ -118,7 +118,7 @@ numba.core.event.register("numba:compile", COMPILE_NOTICE)
 
 # Addresses compared against ``ob_type`` (and the singletons). Never use them
 # as compile-time constants: cached machine code outlives the process.
-PY_ADDRESSES = (id(list), id(tuple), id(str), id(bytes), id(int), id(None), id(True), id(False))
+PY_ADDRESSES = (id(list), id(tuple), id(str), id(bytes), id(int), id(None), id(True), id(False), id(dict))
 
 # Object layout of the (GIL-enabled) CPython builds we support. ``ob_type`` is
 # at 8, ``ob_size`` of variable-size objects at 16, a list's item pointer
@@ -402,6 +402,55 @@ def _ov_int_value(obj):
     return impl_api
 
 
+# dict iteration: PyDict_Next hands out borrowed references to the key and
+# value of the next item; the GIL is held throughout, so the dict cannot
+# change between two calls of one kernel
+
+_api.PyDict_Next.argtypes = [
+    ctypes.c_void_p,
+    ctypes.POINTER(ctypes.c_ssize_t),
+    ctypes.POINTER(ctypes.c_void_p),
+    ctypes.POINTER(ctypes.c_void_p),
+]
+_api.PyDict_Next.restype = ctypes.c_int
+
+
+def _py_dict_next(d, pos):
+    """(found, next pos, key address, value address) of an exact dict's item
+    after ``pos`` (0 to start)."""
+    p = ctypes.c_ssize_t(int(pos))
+    k = ctypes.c_void_p(0)
+    v = ctypes.c_void_p(0)
+    ok = _api.PyDict_Next(int(d), ctypes.byref(p), ctypes.byref(k), ctypes.byref(v))
+    return int(ok), p.value, (k.value or 0), (v.value or 0)
+
+
+@intrinsic
+def _capi_dict_next(typingctx, d, pos):
+    sig = types.UniTuple(types.int64, 4)(types.int64, types.int64)
+
+    def codegen(context, builder, signature, args):
+        i32 = ir.IntType(32)
+        fnty = ir.FunctionType(i32, [_I8P, _I64.as_pointer(), _I8P.as_pointer(), _I8P.as_pointer()])
+        fn = cgutils.get_or_insert_function(builder.module, fnty, "PyDict_Next")
+        p = cgutils.alloca_once_value(builder, args[1])
+        k = cgutils.alloca_once_value(builder, ir.Constant(_I8P, None))
+        v = cgutils.alloca_once_value(builder, ir.Constant(_I8P, None))
+        ok = builder.call(fn, [builder.inttoptr(args[0], _I8P), p, k, v])
+        tup = [
+            builder.sext(ok, _I64),
+            builder.load(p),
+            builder.ptrtoint(builder.load(k), _I64),
+            builder.ptrtoint(builder.load(v), _I64),
+        ]
+        return context.make_tuple(builder, signature.return_type, tup)
+
+    return sig, codegen
+
+
+dict_next = _pick(_py_dict_next, lambda: _capi_dict_next)
+
+
 # ----------------------------------------------------------------------------
 # 64-bit hashing of key bytes (our own hash: independent of PYTHONHASHSEED and
 # of whether Python has cached the str's hash)
@@ -505,9 +554,13 @@ def _py_st64(base, i, v):
     ctypes.c_int64.from_address(int(base) + 8 * int(i)).value = int(v)
 
 
+def _py_st8(base, i, v):
+    ctypes.c_uint8.from_address(int(base) + int(i)).value = int(v)
+
+
 def _make_elem_intrinsics(bits):
     ity = ir.IntType(bits)
-    nbty = types.int32 if bits == 32 else types.int64
+    nbty = {8: types.uint8, 32: types.int32, 64: types.int64}[bits]
 
     @intrinsic
     def _ld(typingctx, base, i):
@@ -535,12 +588,14 @@ def _make_elem_intrinsics(bits):
 
 _ld32, _st32 = _make_elem_intrinsics(32)
 _ld64, _st64 = _make_elem_intrinsics(64)
+_ld8, _st8 = _make_elem_intrinsics(8)
 
 
 ld32 = _pick(_py_ld32, lambda: _ld32)
 st32 = _pick(_py_st32, lambda: _st32)
 ld64 = _pick(_py_ld64, lambda: _ld64)
 st64 = _pick(_py_st64, lambda: _st64)
+st8 = _pick(_py_st8, lambda: _st8)
 
 
 # ----------------------------------------------------------------------------

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from mtpstate._kernels.batch import resolve_batch, write_batch
 from mtpstate._kernels.index import (
     E_BLOCK_OVERFLOW,
     E_BLOCK_VALUE,
@@ -71,14 +72,18 @@ from mtpstate._kernels.index import (
     _key_of,
     _probe,
     _pytypes,
-    _raw_equal,
     _seq,
     _slot_insert,
+    _small_table,
+    _table_add,
+    _table_find,
     _vec,
     _vget,
     _write_key,
 )
 from mtpstate._kernels.native import (
+    OFF_ITEMS,
+    OFF_SIZE,
     OFF_TYPE,
     decref,
     incref,
@@ -92,82 +97,83 @@ from mtpstate._kernels.native import (
     view_i32,
     view_i64,
 )
-
-# per-row int32 fields of the state array, [NUM_FIELDS, max_num_reqs]
-F_NCT = 0  # num_computed_tokens
-F_NCPT = 1  # num_computed_prefill_tokens
-F_PREFILL = 2  # prefill_len
-F_PROMPT = 3  # prompt_len
-F_MAXSEQ = 4  # max_seq_len
-F_NB = 5  # num_blocks of group g at F_NB + g
-
-# table context slots (int64; addresses of the arrays the table owns)
-TB_STATE = 0  # addr int32[F_NB + ng, R]
-TB_R = 1
-TB_NG = 2
-TB_BT_ADDR = 3  # addr int64[ng]: address of each group's block table [R, W_g]
-TB_BT_W = 4  # addr int64[ng]: W_g
-TB_TOK = 5  # addr int32[R, L]
-TB_L = 6
-# The prediction state is double-buffered ([2, R] each): a step reads buffer
-# TB_PREV_CUR and writes the other, which becomes current only if the step
-# is accepted, so a rejected step leaves the prediction as it was.
-TB_PREV_OBJ = 7  # addr int64[2, R]: id objects of the previous update, by position
-TB_PREV_ROW = 8  # addr int32[2, R]: their rows (-1 once freed)
-TB_ROW_PREV_POS = 9  # addr int32[2, R]: position of each row (valid where prev_row points back)
-TB_PREV_N = 10
-TB_SCR = 11  # addr int32[NUM_SCR, R] scratch
-TB_STAMP = 12
-TB_ERR_POS = 13  # error detail: position of the item in its input
-TB_ERR_ARG = 14  # error detail: the offending value, group, ...
-TB_ERR_PHASE = 15  # error detail: PH_* (which input)
-TB_STG_POS = 16  # addr int64[cap]: flat positions of changed elements
-TB_STG_VAL = 17  # addr int32[cap]: their values
-TB_STG_CAP = 18
-TB_STG_N = 19
-TB_STG_ON = 20
-TB_FLAT_BT = 21  # addr int64[ng]: flat offset of each block table
-TB_FLAT_TOK = 22  # flat offset of token_ids; -1: not mirrored
-TB_ERR_FIELD = 23  # error detail: FLD_* (which attribute)
-TB_PREV_CUR = 24  # which prediction buffer is current
-TB_PREV_OWNED = 25  # 1: the table holds a reference to each object of the current buffer
-TB_STG_DUPS = 26  # 1: this step staged some element twice (a row added and updated by it)
-TB_RES = 27  # addr int32[3 * R]: rows of the step: cached then new at [0, 2R), freed at [2R, 3R)
-TB_RES_NC = 28  # number of cached rows in the result
-TB_RES_NN = 29  # number of new rows (they follow the cached ones)
-TB_RES_NF = 30  # number of freed rows (ascending)
-TB_SIZE = 32
-
-# the descriptor of one new request, as NEW_STRIDE ints of a flat list built
-# by the Python side (which holds every object these addresses point to)
-N_KEY = 0  # address of the req_id str
-N_PLEN = 1  # prompt_len
-N_NCT = 2  # num_computed_tokens
-N_MAXT = 3  # max_tokens
-N_TOK_KIND = 4  # V_* kind of prefill_token_ids
-N_TOK = 5  # its address
-N_TOK_N = 6  # its length (raw buffers)
-N_BLK = 7  # address of the block_ids tuple (one list per group)
-NEW_STRIDE = 8
-
-# scratch rows
-S_ROWS = 0  # cached position -> row
-S_NCT = 1  # cached position -> num_computed_tokens
-S_FREE = 2  # stamp: row freed by this step
-S_SEEN = 3  # stamp: row updated by this step
-S_REDIRECT = 4  # freed row -> row its id is re-added at, -1
-S_NEW = 5  # stamp: row assigned to a new request by this step
-S_NEWPOS = 6  # row -> index of that new request
-S_FREED = 7  # list of freed rows
-S_NEWROW = 8  # new request index -> row
-S_PRIOR = 9  # new request index -> its live row before the step, -1
-S_MISS = 10  # positions of this update that were not identity hits (a list)
-S_FLAGS = 11  # cached position -> 1 if its new blocks replace the row (resumed)
-S_NB0 = 12  # + g: per-new-request block counts of group g
-
-
-def num_scratch_rows(ng):
-    return S_NB0 + ng
+from mtpstate._kernels.slots import (
+    A_CBLK,
+    A_CID,
+    A_CNCT,
+    A_CNCT_KIND,
+    A_CNCT_N,
+    A_CRES,
+    A_FIN,
+    A_NEW,
+    A_NST,
+    A_NST_KEYS,
+    A_PRE,
+    A_SPEC,
+    A_TOTAL,
+    F_MAXSEQ,
+    F_NB,
+    F_NCPT,
+    F_NCT,
+    F_PREFILL,
+    F_PROMPT,
+    N_BLK,
+    N_KEY,
+    N_MAXT,
+    N_NCT,
+    N_PLEN,
+    N_TOK,
+    N_TOK_KIND,
+    N_TOK_N,
+    NEW_STRIDE,
+    S_FLAGS,
+    S_FREE,
+    S_FREED,
+    S_MISS,
+    S_NB0,
+    S_NCT,
+    S_NEW,
+    S_NEWPOS,
+    S_NEWROW,
+    S_PRIOR,
+    S_REDIRECT,
+    S_ROWS,
+    S_SEEN,
+    TB_B_N,
+    TB_BT_ADDR,
+    TB_BT_W,
+    TB_DQL,
+    TB_ERR_ARG,
+    TB_ERR_FIELD,
+    TB_ERR_PHASE,
+    TB_ERR_POS,
+    TB_FLAT_BT,
+    TB_FLAT_TOK,
+    TB_L,
+    TB_NG,
+    TB_PREV_CUR,
+    TB_PREV_N,
+    TB_PREV_OBJ,
+    TB_PREV_OWNED,
+    TB_PREV_ROW,
+    TB_R,
+    TB_RES,
+    TB_RES_NC,
+    TB_RES_NF,
+    TB_RES_NN,
+    TB_ROW_PREV_POS,
+    TB_SCR,
+    TB_SIZE,
+    TB_STAMP,
+    TB_STATE,
+    TB_STG_CAP,
+    TB_STG_DUPS,
+    TB_STG_N,
+    TB_STG_ON,
+    TB_STG_POS,
+    TB_STG_VAL,
+    TB_TOK,
+)
 
 
 @jit(signature="int64(int64[::1], int64, int64, int64, int64, int64)")
@@ -210,7 +216,7 @@ def _put(a_state, pos, v, staging, a_stg_pos, a_stg_val, ns):
     return ns
 
 
-@jit(signature="int64(int64, UniTuple(int64, 9), int64, int64, int64, int64, boolean, int64, int64, int64, int64)")
+@jit(signature="int64(int64, UniTuple(int64, 10), int64, int64, int64, int64, boolean, int64, int64, int64, int64)")
 def _write_group(seq, tp, a_bt, w, row, start, staging, a_stg_pos, a_stg_val, ns, flat):
     """Write one group's block ids into ``bt[row, start:]`` (``a_bt``: the
     table's address); returns the new number of staged elements."""
@@ -428,27 +434,56 @@ def _seen_in_this_update(a_rpp_next, a_prev_row_next, row, i):
 
 
 @jit
-def tb_apply(ixc, tbc, fin, pre, new, cid, cnct_kind, cnct, cnct_n, cblk, cres):
-    """Apply one step. ``fin``/``pre``: lists of finished/preempted ids;
-    ``new``: the flat list of new-request descriptors (``N_*``);
-    ``cid``/``cblk``: the cached requests' req_ids and new_block_ids lists;
-    ``cnct``: their num_computed_tokens as an int vector (``cnct_kind``,
-    ``cnct_n``); ``cres``: list of resumed ids. 0 = absent. Returns OK or an
-    error status (detail in the context)."""
+def _arg(items, i, none):
+    """Object address of slot i of the argument tuple; 0 for None."""
+    o = _item(items, i)
+    return 0 if o == none else o
+
+
+@jit
+def tb_apply(ixc, tbc, args):
+    """Apply one step. ``args``: the address of the step's argument tuple
+    (``A_*`` slots, built and held by table.py): finished/preempted ids, the
+    flat list of new-request descriptors (``N_*``), the cached requests'
+    req_ids, num_computed_tokens (as an int vector: kind, address, length),
+    new_block_ids and resumed ids, and for the batch num_scheduled_tokens,
+    list(num_scheduled_tokens), scheduled_spec_decode_tokens and
+    total_num_scheduled_tokens. Returns OK or an error status (detail in the
+    context)."""
     tb = view_i64(tbc, TB_SIZE)
-    # what a step reports (result counts, staging) starts empty, also when it is rejected
+    ix = view_i64(ixc, IX_SIZE)
+    tp = _pytypes(ix)
+    none = tp[5]
+    items = args + OFF_ITEMS  # a tuple's items are inline
+    # what a step reports (result counts, staging, batch) starts empty, also when it is rejected
     tb[TB_STG_DUPS] = 0
     tb[TB_RES_NC] = 0
     tb[TB_RES_NN] = 0
     tb[TB_RES_NF] = 0
     tb[TB_STG_N] = 0
+    tb[TB_B_N] = -1
+    fin = _arg(items, A_FIN, none)
+    pre = _arg(items, A_PRE, none)
+    new = _arg(items, A_NEW, none)
+    cid = _arg(items, A_CID, none)
+    cnct_kind, st = _int_of(_item(items, A_CNCT_KIND), tp)
+    cnct, st = _int_of(_item(items, A_CNCT), tp)
+    cnct_n, st = _int_of(_item(items, A_CNCT_N), tp)
+    cblk = _arg(items, A_CBLK, none)
+    cres = _arg(items, A_CRES, none)
+    nst = _arg(items, A_NST, none)
+    if tb[TB_DQL] == 0:
+        nst = 0
+    nst_keys = _arg(items, A_NST_KEYS, none)
+    spec = _arg(items, A_SPEC, none)
+    total = _arg(items, A_TOTAL, none)
     if fin == 0 and pre == 0 and new == 0 and cres == 0:
-        return _update_only(ixc, tbc, cid, cnct_kind, cnct, cnct_n, cblk)
-    return _general(ixc, tbc, fin, pre, new, cid, cnct_kind, cnct, cnct_n, cblk, cres)
+        return _update_only(ixc, tbc, cid, cnct_kind, cnct, cnct_n, cblk, nst, nst_keys, spec, total)
+    return _general(ixc, tbc, fin, pre, new, cid, cnct_kind, cnct, cnct_n, cblk, cres, nst, nst_keys, spec, total)
 
 
 @jit
-def _update_only(ixc, tbc, cid, cnct_kind, cnct, cnct_n, cblk):
+def _update_only(ixc, tbc, cid, cnct_kind, cnct, cnct_n, cblk, nst, nst_keys, spec, total):
     """The running requests' update in a single pass (the steady state of
     decoding).
 
@@ -480,7 +515,43 @@ def _update_only(ixc, tbc, cid, cnct_kind, cnct, cnct_n, cblk):
     a_stg_val = tb[TB_STG_VAL]
     stamp = tb[TB_STAMP] + 1
     tb[TB_STAMP] = stamp
+    empty_i64 = np.empty(0, np.int64)
+    empty_u64 = np.empty(0, np.uint64)
     if cid == 0:
+        if nst != 0:
+            st = resolve_batch(
+                tb,
+                tp,
+                allow,
+                R,
+                nst,
+                nst_keys,
+                spec,
+                total,
+                0,
+                0,
+                a_res,
+                0,
+                0,
+                a_res,
+                slots,
+                mask,
+                keys,
+                kw,
+                seed,
+                hmask,
+                empty_i64,
+                0,
+                empty_u64,
+                empty_i64,
+                empty_i64,
+                a_scr,
+                stamp,
+                0,
+            )
+            if st != OK:
+                return st
+            write_batch(tb, R, a_state, nst_keys, load_i64(nst_keys + OFF_SIZE))
         return OK
     O_NCT = S_NCT * R
     O_ROWS = S_ROWS * R
@@ -592,6 +663,40 @@ def _update_only(ixc, tbc, cid, cnct_kind, cnct, cnct_n, cblk):
     if staging and ns + nstage_blocks > stg_cap:
         _undo_update(a_state, a_scr, a_prev_row if sync else a_prev_row_next, R, nc)
         return _err(tb, E_STAGE_FULL, -1, ns + nstage_blocks, 0, FLD_NONE)
+    if nst != 0:
+        st = resolve_batch(
+            tb,
+            tp,
+            allow,
+            R,
+            nst,
+            nst_keys,
+            spec,
+            total,
+            i_cid,
+            nc,
+            a_res,
+            0,
+            0,
+            a_res,
+            slots,
+            mask,
+            keys,
+            kw,
+            seed,
+            hmask,
+            empty_i64,
+            0,
+            empty_u64,
+            empty_i64,
+            empty_i64,
+            a_scr,
+            stamp,
+            0,
+        )
+        if st != OK:
+            _undo_update(a_state, a_scr, a_prev_row if sync else a_prev_row_next, R, nc)
+            return st
     unchanged = sync and nc == prev_n  # the same objects in the same order: keep the prediction
     if sync and not unchanged:
         _materialize(a_prev_obj, a_prev_row, a_prev_obj_next, a_prev_row_next, a_rpp_next, nc)
@@ -606,11 +711,13 @@ def _update_only(ixc, tbc, cid, cnct_kind, cnct, cnct_n, cblk):
         _commit_prediction(tb, a_scr, R, stamp, nc, hits, nmiss, a_prev_obj, prev_n, a_prev_obj_next)
     tb[TB_RES_NC] = nc
     tb[TB_STG_N] = ns
+    if nst != 0:
+        write_batch(tb, R, a_state, nst_keys, load_i64(nst_keys + OFF_SIZE))
     return OK
 
 
 @jit(
-    signature="UniTuple(int64, 2)(int64, int64, int64[::1], UniTuple(int64, 9), int64[::1], int64, uint64[::1], "
+    signature="UniTuple(int64, 2)(int64, int64, int64[::1], UniTuple(int64, 10), int64[::1], int64, uint64[::1], "
     "int64, int64, int64, int64, int32[::1], int64, int64, int64, int64, int64)"
 )
 def _free_ids(
@@ -646,36 +753,7 @@ def _desc(items, i, tp):
 
 
 @jit
-def _small_table(n):
-    tsize = 8
-    while tsize < 2 * n:
-        tsize *= 2
-    return np.full(tsize, -1, np.int64), tsize - 1
-
-
-@jit
-def _table_find(tab, tmask, t_hash, t_ptr, t_len, h, ptr, klen):
-    """Index of the key in a small open-addressing table of this step's keys
-    (new ids, resumed ids), or -1; compared by bytes."""
-    s = np.int64(h & np.uint64(tmask))
-    while tab[s] >= 0:
-        k = tab[s]
-        if t_hash[k] == h and _raw_equal(t_ptr[k], t_len[k], ptr, klen):
-            return k
-        s = (s + 1) & tmask
-    return -1
-
-
-@jit
-def _table_add(tab, tmask, h, k):
-    s = np.int64(h & np.uint64(tmask))
-    while tab[s] >= 0:
-        s = (s + 1) & tmask
-    tab[s] = k
-
-
-@jit
-def _general(ixc, tbc, fin, pre, new, cid, cnct_kind, cnct, cnct_n, cblk, cres):
+def _general(ixc, tbc, fin, pre, new, cid, cnct_kind, cnct, cnct_n, cblk, cres, nst, nst_keys, spec, total):
     ix = view_i64(ixc, IX_SIZE)
     tb = view_i64(tbc, TB_SIZE)
     tp = _pytypes(ix)
@@ -978,6 +1056,39 @@ def _general(ixc, tbc, fin, pre, new, cid, cnct_kind, cnct, cnct_n, cblk, cres):
         return _err(tb, E_KEY_TOO_LONG, -1, need_bytes, PH_NEW, FLD_REQ_ID)
     if staging and nstage > stg_cap:
         return _err(tb, E_STAGE_FULL, -1, nstage, 0, FLD_NONE)
+    if nst != 0:
+        st = resolve_batch(
+            tb,
+            tp,
+            allow,
+            R,
+            nst,
+            nst_keys,
+            spec,
+            total,
+            i_cid,
+            nc,
+            a_scr + 4 * O_ROWS,
+            i_new,
+            nn,
+            a_scr + 4 * O_NEWROW,
+            slots,
+            mask,
+            keys,
+            kw,
+            seed,
+            hmask,
+            new_tab,
+            ntab_mask,
+            new_hash,
+            new_ptr,
+            new_len,
+            a_scr,
+            stamp,
+            nfreed,
+        )
+        if st != OK:
+            return st
 
     # ---------------- pass 2: apply ----------------------------------------
     ns = 0
@@ -1062,4 +1173,6 @@ def _general(ixc, tbc, fin, pre, new, cid, cnct_kind, cnct, cnct_n, cblk, cres):
     tb[TB_RES_NN] = nn
     tb[TB_RES_NF] = nfreed
     tb[TB_STG_N] = ns
+    if nst != 0:
+        write_batch(tb, R, a_state, nst_keys, load_i64(nst_keys + OFF_SIZE))
     return OK

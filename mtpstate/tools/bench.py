@@ -274,20 +274,12 @@ def bench_table(sizes, quick, progress, mirror=True):
 VLLM_WORKLOADS = ("vllm-busy", "vllm-steady-same-ids", "vllm-steady-fresh-ids")
 
 
-def _mtpstate_idx_mapping(table, so):
-    """apply, then MRV2's batch -> row mapping (requests sorted by scheduled
-    tokens, stable: decode first) as one gather from the step's rows."""
-    res = table.apply(so)
-    nst = so.num_scheduled_tokens
-    counts = np.fromiter(nst.values(), np.int32, len(nst))
-    return res.rows[np.argsort(counts, kind="stable")]
-
-
 def bench_vllm(sizes, quick, progress):
     """vLLM 0.34-shaped steps (TokenBuffer token ids, no resumed_req_ids,
-    fresh lists): RequestTable vs the MRV2-style loop, each timed from the
-    scheduler output to the batch -> row mapping ``idx_mapping``. Paired
-    and interleaved per step; the two mappings are checked equal (untimed)."""
+    fresh lists, MTP k=3): the whole per-step bookkeeping, RequestTable's
+    ``apply(so).batch`` against the MRV2-style loop (finish/add/update, then
+    ``gather_batch_req_state``: its sort, fromiters and gathers). Paired and
+    interleaved per step; the two batches are checked equal (untimed)."""
     from mtpstate import RequestTable
     from mtpstate.tools.reference import VllmLoopRequestTable
     from mtpstate.tools.workloads import BLOCK_SIZE, MAX_MODEL_LEN, vllm_busy, vllm_steady_decode
@@ -307,8 +299,9 @@ def bench_vllm(sizes, quick, progress):
             times = {"mrv2-loop": [], "vectorized": []}
             pypath = 0
             for _ in range(repeats):
-                a = RequestTable(max_num_reqs=n, max_model_len=MAX_MODEL_LEN, block_sizes=[BLOCK_SIZE])
-                b = VllmLoopRequestTable(max_num_reqs=n, max_model_len=MAX_MODEL_LEN, block_sizes=[BLOCK_SIZE])
+                kw = dict(max_num_reqs=n, max_model_len=MAX_MODEL_LEN, block_sizes=[BLOCK_SIZE], decode_query_len=4)
+                a = RequestTable(**kw)
+                b = VllmLoopRequestTable(**kw)
                 for so in warm:
                     a.apply(so)
                     b.apply(so)
@@ -316,14 +309,15 @@ def bench_vllm(sizes, quick, progress):
                     s1 = pickle.loads(blobs[k]) if fresh else so
                     s2 = pickle.loads(blobs[k]) if fresh else so
                     t0 = time.perf_counter()
-                    m1 = _mtpstate_idx_mapping(a, s1)
+                    got = a.apply(s1).batch
                     t1 = time.perf_counter()
-                    m2 = b.apply(s2)
+                    want = b.apply(s2)
                     t2 = time.perf_counter()
                     times["vectorized"].append(t1 - t0)
                     times["mrv2-loop"].append(t2 - t1)
-                    if len(m1) != len(m2) or any(a.index.req_id(int(x)) != b_id for x, b_id in zip(m1, _ids_of(b, m2))):
-                        raise AssertionError(f"{workload} N={n}: batch -> row mappings disagree")
+                    m1, m2 = got.idx_mapping_np, want["idx_mapping_np"]
+                    if got.req_ids != want["req_ids"] or [a.index.req_id(int(x)) for x in m1] != _ids_of(b, m2):
+                        raise AssertionError(f"{workload} N={n}: the batches disagree")
                 pypath += a.python_path_steps
                 progress.tick()
             rows = _rows(workload, n, times, "mrv2-loop", None)

@@ -17,7 +17,13 @@ import math
 
 import numpy as np
 
-__all__ = ["LoopRequestTable", "LegacyRequestTable", "LoopMirroredRequestTable"]
+__all__ = [
+    "LoopRequestTable",
+    "LegacyRequestTable",
+    "LoopMirroredRequestTable",
+    "VllmLoopRequestTable",
+    "vllm_gather_batch",
+]
 
 
 class LoopRequestTable:
@@ -226,18 +232,63 @@ class LoopMirroredRequestTable(LoopRequestTable):
         self._staged_values.clear()
 
 
+def vllm_gather_batch(so, decode_query_len, req_id_to_index, prefill_len, num_computed_prefill_tokens, max_seq_len):
+    """The batch of a step as vLLM 0.34's ``gather_batch_req_state`` builds
+    it (model_runner.py; no pipeline or context parallelism, no adaptive
+    verification): its sort key, fromiters and gathers, as a dict of
+    ``BatchReqState``'s fields (plus ``max_query_len``)."""
+    nst = so.num_scheduled_tokens
+    drafts = so.scheduled_spec_decode_tokens
+    num_reqs = len(nst)
+    max_query_len = max(nst.values()) if nst else 0
+    key = lambda r: (not drafts.get(r), (num := nst[r]) != decode_query_len, num)  # noqa: E731
+    req_ids = sorted(nst, key=key)
+    num_scheduled_tokens = np.fromiter(map(nst.__getitem__, req_ids), dtype=np.int32, count=num_reqs)
+    idx_mapping_np = np.fromiter(map(req_id_to_index.__getitem__, req_ids), dtype=np.intp, count=num_reqs)
+    prefill_len_np = prefill_len[idx_mapping_np]
+    ncpt_np = num_computed_prefill_tokens[idx_mapping_np]
+    is_prefilling_np = ncpt_np < prefill_len_np
+    has_prefill = bool(is_prefilling_np.any())
+    num_draft_tokens_np = None
+    if drafts:
+        num_draft_tokens_np = np.fromiter((len(drafts.get(r, ())) for r in req_ids), dtype=np.int32, count=num_reqs)
+    prefill_runs_as_decode_np = None
+    decode_graph_eligible = not has_prefill
+    if has_prefill:
+        num_new = num_scheduled_tokens if num_draft_tokens_np is None else num_scheduled_tokens - num_draft_tokens_np
+        prefill_runs_as_decode_np = is_prefilling_np & ((num_new == 1) & (ncpt_np > 0))
+        decode_graph_eligible = bool((prefill_runs_as_decode_np | ~is_prefilling_np).all())
+    return {
+        "req_ids": req_ids,
+        "num_scheduled_tokens": num_scheduled_tokens,
+        "num_tokens": so.total_num_scheduled_tokens,
+        "num_draft_tokens_np": num_draft_tokens_np,
+        "idx_mapping_np": idx_mapping_np,
+        "prefill_len_np": prefill_len_np,
+        "num_computed_prefill_tokens_np": ncpt_np,
+        "is_prefilling_np": is_prefilling_np,
+        "max_seq_len_np": max_seq_len[idx_mapping_np],
+        "has_prefill": has_prefill,
+        "prefill_runs_as_decode_np": prefill_runs_as_decode_np,
+        "decode_graph_eligible": decode_graph_eligible,
+        "max_query_len": max_query_len,
+    }
+
+
 class VllmLoopRequestTable(LoopRequestTable):
     """What vLLM 0.34's Model Runner V2 host path does per step, as a loop:
-    finish (sorted ids, a LIFO free list), add, update, then the batch ->
-    row mapping of ``prepare_inputs`` (requests sorted by scheduled tokens,
-    decode first; one dict lookup each). ``apply`` returns that mapping.
+    finish (sorted ids, a LIFO free list), add, update, then
+    ``gather_batch_req_state`` (its sort key, the fromiters, one dict lookup
+    per request for ``idx_mapping``, the gathers). ``apply`` returns that
+    batch as a dict of ``BatchReqState``'s fields (:func:`vllm_gather_batch`).
 
     Writes go straight into the host arrays (MRV2 stages them into Python
     lists and flushes them with a copy and a kernel: a little more work
     than this baseline does)."""
 
-    def __init__(self, *args, **kwargs):
+    def __init__(self, *args, decode_query_len=1, **kwargs):
         super().__init__(*args, **kwargs)
+        self.decode_query_len = decode_query_len
         self.free_rows = list(range(self.max_num_reqs - 1, -1, -1))  # LIFO: pop() gives row 0 first
 
     def _remove(self, req_id):
@@ -260,6 +311,11 @@ class VllmLoopRequestTable(LoopRequestTable):
         self.finish(sorted(fin | pre) if pre else sorted(fin))
         self.add(so.scheduled_new_reqs)
         self.update(so.scheduled_cached_reqs)
-        nst = so.num_scheduled_tokens
-        req_ids = sorted(nst, key=nst.get)  # decode first, then prefill
-        return np.fromiter(map(self.req_id_to_index.get, req_ids), dtype=np.int32, count=len(req_ids))
+        return vllm_gather_batch(
+            so,
+            self.decode_query_len,
+            self.req_id_to_index,
+            self.prefill_len,
+            self.num_computed_prefill_tokens,
+            self.max_seq_len,
+        )

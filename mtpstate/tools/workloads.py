@@ -143,6 +143,7 @@ def vllm_shaped(so: SchedulerOutput) -> SchedulerOutput:
         new.append(NewRequestData(r.req_id, prompt, r.sampling_params, r.block_ids, r.num_computed_tokens, prefill))
     nst = so.num_scheduled_tokens
     order = [*c.req_ids, *(r.req_id for r in new)]
+    nst = {r: nst.get(r, 1) for r in order}
     cached = VllmCachedRequestData(
         req_ids=list(c.req_ids),
         new_token_ids=[],
@@ -153,8 +154,8 @@ def vllm_shaped(so: SchedulerOutput) -> SchedulerOutput:
     return SchedulerOutput(
         scheduled_new_reqs=new,
         scheduled_cached_reqs=cached,
-        num_scheduled_tokens={r: nst.get(r, 1) for r in order},
-        total_num_scheduled_tokens=so.total_num_scheduled_tokens,
+        num_scheduled_tokens=nst,
+        total_num_scheduled_tokens=sum(nst.values()),
         scheduled_spec_decode_tokens=so.scheduled_spec_decode_tokens,
         finished_req_ids=set(so.finished_req_ids),
         preempted_req_ids=set(so.preempted_req_ids or ()),
@@ -189,5 +190,7 @@ def vllm_steady_decode(n: int, steps: int = 8, seed: int = 0, fresh_ids: bool = 
         if not fresh_ids:  # the scheduler's own str objects, in a new list every step
             v.scheduled_cached_reqs.req_ids = list(so.scheduled_cached_reqs.req_ids)
         v.num_scheduled_tokens = {r: 4 for r in v.scheduled_cached_reqs.req_ids}
+        v.total_num_scheduled_tokens = 4 * len(v.num_scheduled_tokens)
+        v.scheduled_spec_decode_tokens = {r: [0, 0, 0] for r in v.num_scheduled_tokens}  # MTP k=3
         out.append(v)
     return setup, out

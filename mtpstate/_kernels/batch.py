@@ -1,0 +1,461 @@
+"""numba helpers that build the step's batch (vLLM's ``BatchReqState``).
+
+Private; called by the step kernel (step.py) in two phases, so that a
+rejected batch leaves the step unapplied like any other bad input:
+
+- ``resolve_batch`` (with the step's validation, before anything is
+  written): reads ``num_scheduled_tokens`` and ``scheduled_spec_decode_tokens``
+  in place (``PyDict_Next``), finds each scheduled id's row, checks every
+  count, and orders the batch as vLLM's ``sort_batch_req_ids`` does;
+- ``write_batch`` (after the step is applied): gathers the per-request state
+  of the batch in that order and permutes the Python list of ids into it.
+
+Rows are found the way the update finds them: the scheduler lists
+``num_scheduled_tokens`` in the order of the cached then the new requests, with
+the very same str objects, so position i is checked against the i-th
+scheduled id by identity, then by bytes, and only then by a hash probe.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from mtpstate._kernels.index import (
+    E_BATCH_SIZE,
+    E_CHANGED,
+    E_COUNT_VALUE,
+    E_DUPLICATE,
+    E_INT_RANGE,
+    E_NOT_CANONICAL,
+    E_TOTAL,
+    E_UNKNOWN,
+    FLD_COUNT,
+    FLD_DRAFTS,
+    FLD_REQ_ID,
+    FLD_TOTAL,
+    INT32_MAX,
+    OK,
+    PH_BATCH,
+    PH_SPEC,
+    _hash_key,
+    _int_of,
+    _item,
+    _key_of,
+    _probe,
+    _raw_equal,
+    _table_find,
+)
+from mtpstate._kernels.native import (
+    OFF_ITEMS,
+    OFF_SIZE,
+    OFF_TYPE,
+    dict_next,
+    jit,
+    ld32,
+    ld64,
+    load_i64,
+    st8,
+    st32,
+    st64,
+    view_i64,
+)
+from mtpstate._kernels.slots import (
+    B_DRAFTS,
+    B_MAXSEQ,
+    B_NCPT,
+    B_NUM_SCHED,
+    B_PERM,
+    B_POS_DRAFTS,
+    B_POS_NUM,
+    B_POS_ROW,
+    B_PREFILL,
+    B_ROW_POS,
+    B_ROW_STAMP,
+    BB_PREFILLING,
+    BB_RUNS_AS_DECODE,
+    BO_KEYS,
+    BO_SORT,
+    F_MAXSEQ,
+    F_NCPT,
+    F_PREFILL,
+    N_KEY,
+    NEW_STRIDE,
+    S_FREE,
+    TB_B_GRAPH_OK,
+    TB_B_HAS_DRAFTS,
+    TB_B_HAS_PREFILL,
+    TB_B_MAX_QUERY,
+    TB_B_N,
+    TB_B_NUM_TOKENS,
+    TB_B_STAMP,
+    TB_BATCH,
+    TB_BATCH_BOOL,
+    TB_BATCH_IDX,
+    TB_BATCH_OBJ,
+    TB_DQL,
+    TB_ERR_ARG,
+    TB_ERR_FIELD,
+    TB_ERR_PHASE,
+    TB_ERR_POS,
+)
+
+
+@jit(signature="int64(int64[::1], int64, int64, int64, int64, int64)")
+def _berr(tb, code, pos, arg, phase, field):
+    tb[TB_ERR_POS] = pos
+    tb[TB_ERR_ARG] = arg
+    tb[TB_ERR_PHASE] = phase
+    tb[TB_ERR_FIELD] = field
+    return code
+
+
+@jit
+def _row_of_key(
+    ptr,
+    klen,
+    ix_slots,
+    mask,
+    keys,
+    kw,
+    seed,
+    hmask,
+    new_tab,
+    ntab_mask,
+    new_hash,
+    new_ptr,
+    new_len,
+    nn,
+    a_rows_n,
+    a_scr,
+    R,
+    stamp,
+    nfreed,
+):
+    """Row an id will have once the step is applied, or -1: added by this
+    step (its new row), else live before it and not freed by it."""
+    h = _hash_key(ptr, klen, seed, hmask)
+    if nn > 0:
+        k = _table_find(new_tab, ntab_mask, new_hash, new_ptr, new_len, h, ptr, klen)
+        if k >= 0:
+            return ld32(a_rows_n, k)
+    r = -1
+    if klen <= (kw - 1) * 8:
+        r = _probe(ix_slots, mask, keys, kw, h, ptr, klen)
+    if r >= 0 and nfreed > 0 and ld32(a_scr, S_FREE * R + r) == stamp:
+        return -1  # freed by this step (a re-sent id was found among the new ones above)
+    return r
+
+
+@jit
+def _same_key(a, b, allow, tp):
+    pa, na, sa = _key_of(a, allow, tp)
+    pb, nb, sb = _key_of(b, allow, tp)
+    return sa == OK and sb == OK and _raw_equal(pa, na, pb, nb)
+
+
+@jit
+def _int64_heapsort(a, lo, n):
+    """Sort a[lo:lo + n] ascending in place (keys are distinct)."""
+    for start in range(n // 2 - 1, -1, -1):
+        _sift64(a, lo, start, n)
+    for end in range(n - 1, 0, -1):
+        a[lo], a[lo + end] = a[lo + end], a[lo]
+        _sift64(a, lo, 0, end)
+
+
+@jit
+def _sift64(a, lo, i, n):
+    v = a[lo + i]
+    while True:
+        c = 2 * i + 1
+        if c >= n:
+            break
+        if c + 1 < n and a[lo + c + 1] > a[lo + c]:
+            c += 1
+        if a[lo + c] <= v:
+            break
+        a[lo + i] = a[lo + c]
+        i = c
+    a[lo + i] = v
+
+
+@jit
+def resolve_batch(
+    tb,
+    tp,
+    allow,
+    R,
+    nst,
+    nst_keys,
+    spec,
+    total,
+    i_cid,
+    nc,
+    a_rows_c,
+    i_new,
+    nn,
+    a_rows_n,
+    ix_slots,
+    mask,
+    keys,
+    kw,
+    seed,
+    hmask,
+    new_tab,
+    ntab_mask,
+    new_hash,
+    new_ptr,
+    new_len,
+    a_scr,
+    stamp,
+    nfreed,
+):
+    """Pass 1 of the batch: rows, counts and draft counts of every scheduled
+    id, validated, and the batch order (``B_PERM``). Writes only the batch
+    scratch. ``nst``/``spec``: exact dicts (``spec`` 0 when absent);
+    ``nst_keys``: ``list(nst)`` made by the caller; ``total``: the int object
+    of ``total_num_scheduled_tokens`` or 0. Returns a status."""
+    a_b = tb[TB_BATCH]
+    a_bo = tb[TB_BATCH_OBJ]
+    dql = tb[TB_DQL]
+    bstamp = tb[TB_B_STAMP] + 1
+    tb[TB_B_STAMP] = bstamp
+    if load_i64(nst_keys + OFF_TYPE) != tp[0]:  # pragma: no cover - built by table.py
+        return _berr(tb, E_NOT_CANONICAL, -1, 0, PH_BATCH, FLD_REQ_ID)
+    n = load_i64(nst_keys + OFF_SIZE)
+    if n > R:
+        return _berr(tb, E_BATCH_SIZE, -1, n, PH_BATCH, FLD_REQ_ID)
+    i_keys = load_i64(nst_keys + OFF_ITEMS)
+    O_ROW = B_POS_ROW * R
+    O_NUM = B_POS_NUM * R
+    O_DR = B_POS_DRAFTS * R
+    O_STAMP = B_ROW_STAMP * R
+    O_RPOS = B_ROW_POS * R
+    O_KEYS = BO_KEYS * R
+    sum_tokens = np.int64(0)
+    pos = 0
+    for i in range(n + 1):
+        found, pos, k, val = dict_next(nst, pos)
+        if i == n:
+            if found != 0:
+                return _berr(tb, E_CHANGED, -1, 0, PH_BATCH, FLD_REQ_ID)
+            break
+        if found == 0 or k != _item(i_keys, i):
+            return _berr(tb, E_CHANGED, -1, 0, PH_BATCH, FLD_REQ_ID)
+        v, st = _int_of(val, tp)
+        if st == E_INT_RANGE or (st == OK and (v < 0 or v > INT32_MAX)):
+            return _berr(tb, E_COUNT_VALUE, i, v if st == OK else -1, PH_BATCH, FLD_COUNT)
+        if st != OK:
+            return _berr(tb, st, i, 0, PH_BATCH, FLD_COUNT)
+        # the i-th scheduled id (cached, then new) is the usual owner of position i
+        e = 0
+        erow = -1
+        if i < nc:
+            e = _item(i_cid, i)
+            erow = ld32(a_rows_c, i)
+        elif i < nc + nn:
+            e, st = _int_of(_item(i_new, (i - nc) * NEW_STRIDE + N_KEY), tp)
+            erow = ld32(a_rows_n, i - nc)
+        row = erow if (e != 0 and k == e) else -1
+        if row < 0:
+            ptr, klen, st = _key_of(k, allow, tp)
+            if st != OK:
+                return _berr(tb, st, i, 0, PH_BATCH, FLD_REQ_ID)
+            if e != 0 and _same_key(e, k, allow, tp):
+                row = erow
+            else:
+                row = _row_of_key(
+                    ptr,
+                    klen,
+                    ix_slots,
+                    mask,
+                    keys,
+                    kw,
+                    seed,
+                    hmask,
+                    new_tab,
+                    ntab_mask,
+                    new_hash,
+                    new_ptr,
+                    new_len,
+                    nn,
+                    a_rows_n,
+                    a_scr,
+                    R,
+                    stamp,
+                    nfreed,
+                )
+            if row < 0:
+                return _berr(tb, E_UNKNOWN, i, 0, PH_BATCH, FLD_REQ_ID)
+        if ld32(a_b, O_STAMP + row) == bstamp:
+            return _berr(tb, E_DUPLICATE, i, 0, PH_BATCH, FLD_REQ_ID)
+        st32(a_b, O_STAMP + row, bstamp)
+        st32(a_b, O_RPOS + row, i)
+        st32(a_b, O_ROW + i, row)
+        st32(a_b, O_NUM + i, v)
+        st32(a_b, O_DR + i, 0)
+        st64(a_bo, O_KEYS + i, k)
+        sum_tokens += v
+    if total != 0:
+        t, st = _int_of(total, tp)
+        if st != OK or t != sum_tokens:
+            return _berr(tb, E_TOTAL, -1, sum_tokens, PH_BATCH, FLD_TOTAL)
+
+    # draft tokens: scheduled_spec_decode_tokens lists the same ids in the same order
+    has_drafts = 0
+    if spec != 0:
+        pos = 0
+        c = 0  # the position the next entry is predicted at
+        j = 0
+        while True:
+            found, pos, k, val = dict_next(spec, pos)
+            if found == 0:
+                break
+            has_drafts = 1
+            t = load_i64(val + OFF_TYPE)
+            if t != tp[0] and t != tp[1]:
+                return _berr(tb, E_NOT_CANONICAL, j, 0, PH_SPEC, FLD_DRAFTS)
+            cnt = load_i64(val + OFF_SIZE)
+            p = -1
+            if c < n and ld64(a_bo, O_KEYS + c) == k:
+                p = c
+            else:
+                ptr, klen, st = _key_of(k, allow, tp)
+                if st != OK:
+                    return _berr(tb, st, j, 0, PH_SPEC, FLD_REQ_ID)
+                if c < n and _same_key(ld64(a_bo, O_KEYS + c), k, allow, tp):
+                    p = c
+                else:
+                    row = _row_of_key(
+                        ptr,
+                        klen,
+                        ix_slots,
+                        mask,
+                        keys,
+                        kw,
+                        seed,
+                        hmask,
+                        new_tab,
+                        ntab_mask,
+                        new_hash,
+                        new_ptr,
+                        new_len,
+                        nn,
+                        a_rows_n,
+                        a_scr,
+                        R,
+                        stamp,
+                        nfreed,
+                    )
+                    if row >= 0 and ld32(a_b, O_STAMP + row) == bstamp:
+                        p = ld32(a_b, O_RPOS + row)
+            # an entry for an id that is not scheduled is ignored, as vLLM does
+            if p >= 0:
+                st32(a_b, O_DR + p, min(cnt, INT32_MAX))
+                c = p + 1
+            j += 1
+    tb[TB_B_HAS_DRAFTS] = has_drafts
+    tb[TB_B_NUM_TOKENS] = sum_tokens
+
+    # the order of sort_batch_req_ids: key (no drafts, tokens != dql, tokens),
+    # stable; classes 0 and 2 hold one token count (dql) and keep dict order
+    O_PERM = B_PERM * R
+    c0 = 0
+    c1 = 0
+    c2 = 0
+    for i in range(n):
+        cls = (2 if ld32(a_b, O_DR + i) == 0 else 0) + (1 if ld32(a_b, O_NUM + i) != dql else 0)
+        if cls == 0:
+            c0 += 1
+        elif cls == 1:
+            c1 += 1
+        elif cls == 2:
+            c2 += 1
+    if c0 == n or c2 == n:
+        for i in range(n):
+            st32(a_b, O_PERM + i, i)
+        return OK
+    sort = tb[TB_BATCH_OBJ] + 8 * BO_SORT * R
+    start1 = c0
+    start2 = c0 + c1
+    start3 = c0 + c1 + c2
+    w0 = 0
+    w1 = start1
+    w2 = start2
+    w3 = start3
+    for i in range(n):
+        num = ld32(a_b, O_NUM + i)
+        cls = (2 if ld32(a_b, O_DR + i) == 0 else 0) + (1 if num != dql else 0)
+        if cls == 0:
+            st32(a_b, O_PERM + w0, i)
+            w0 += 1
+        elif cls == 2:
+            st32(a_b, O_PERM + w2, i)
+            w2 += 1
+        elif cls == 1:
+            st64(sort, w1, (np.int64(num) << 32) | i)
+            w1 += 1
+        else:
+            st64(sort, w3, (np.int64(num) << 32) | i)
+            w3 += 1
+    sort_view = view_i64(sort, n)
+    _int64_heapsort(sort_view, start1, c1)
+    _int64_heapsort(sort_view, start3, n - start3)
+    for p in range(start1, start2):
+        st32(a_b, O_PERM + p, np.int32(ld64(sort, p) & 0xFFFFFFFF))
+    for p in range(start3, n):
+        st32(a_b, O_PERM + p, np.int32(ld64(sort, p) & 0xFFFFFFFF))
+    return OK
+
+
+@jit
+def write_batch(tb, R, a_state, nst_keys, n):
+    """Pass 2 of the batch, once the step is applied: the batch's arrays in
+    batch order, its scalars, and ``nst_keys`` (the caller's own list of the
+    scheduled ids) permuted in place into the batch order."""
+    a_b = tb[TB_BATCH]
+    a_bo = tb[TB_BATCH_OBJ]
+    a_idx = tb[TB_BATCH_IDX]
+    a_bb = tb[TB_BATCH_BOOL]
+    O_PERM = B_PERM * R
+    O_ROW = B_POS_ROW * R
+    O_NUM = B_POS_NUM * R
+    O_DR = B_POS_DRAFTS * R
+    O_KEYS = BO_KEYS * R
+    i_keys = load_i64(nst_keys + OFF_ITEMS)
+    has_prefill = 0
+    graph_ok = 1
+    max_query = 0
+    for p in range(n):
+        q = ld32(a_b, O_PERM + p)
+        row = ld32(a_b, O_ROW + q)
+        v = ld32(a_b, O_NUM + q)
+        d = ld32(a_b, O_DR + q)
+        pl = ld32(a_state, F_PREFILL * R + row)
+        ncpt = ld32(a_state, F_NCPT * R + row)
+        st32(a_b, B_NUM_SCHED * R + p, v)
+        st32(a_b, B_DRAFTS * R + p, d)
+        st32(a_b, B_PREFILL * R + p, pl)
+        st32(a_b, B_NCPT * R + p, ncpt)
+        st32(a_b, B_MAXSEQ * R + p, ld32(a_state, F_MAXSEQ * R + row))
+        st64(a_idx, p, row)
+        prefilling = ncpt < pl
+        # one new prompt token over existing context runs as a decode
+        as_decode = prefilling and v - d == 1 and ncpt > 0
+        _st_bool(a_bb, BB_PREFILLING * R + p, prefilling)
+        _st_bool(a_bb, BB_RUNS_AS_DECODE * R + p, as_decode)
+        if prefilling:
+            has_prefill = 1
+            if not as_decode:
+                graph_ok = 0
+        max_query = max(max_query, v)
+        st64(i_keys, p, ld64(a_bo, O_KEYS + q))  # a permutation: reference counts unchanged
+    tb[TB_B_N] = n
+    tb[TB_B_MAX_QUERY] = max_query
+    tb[TB_B_HAS_PREFILL] = has_prefill
+    tb[TB_B_GRAPH_OK] = graph_ok
+
+
+@jit(inline="always")
+def _st_bool(base, i, v):
+    st8(base, i, np.uint8(1) if v else np.uint8(0))

@@ -1,0 +1,139 @@
+"""Named slots of the contexts and argument tuple the step kernels share.
+
+One place for every index into the table context (``TB_*``), the state
+array's fields (``F_*``), the scratch rows (``S_*``), the batch arrays
+(``B_*``, ``BB_*``, ``BO_*``), a new request's descriptor (``N_*``) and the
+step's argument tuple (``A_*``). The Python side (table.py, mirror.py) and the
+kernels (step.py, batch.py) read them from here.
+"""
+
+# per-row int32 fields of the state array, [NUM_FIELDS, max_num_reqs]
+F_NCT = 0  # num_computed_tokens
+F_NCPT = 1  # num_computed_prefill_tokens
+F_PREFILL = 2  # prefill_len
+F_PROMPT = 3  # prompt_len
+F_MAXSEQ = 4  # max_seq_len
+F_NB = 5  # num_blocks of group g at F_NB + g
+
+# table context slots (int64; addresses of the arrays the table owns)
+TB_STATE = 0  # addr int32[F_NB + ng, R]
+TB_R = 1
+TB_NG = 2
+TB_BT_ADDR = 3  # addr int64[ng]: address of each group's block table [R, W_g]
+TB_BT_W = 4  # addr int64[ng]: W_g
+TB_TOK = 5  # addr int32[R, L]
+TB_L = 6
+# The prediction state is double-buffered ([2, R] each): a step reads buffer
+# TB_PREV_CUR and writes the other, which becomes current only if the step
+# is accepted, so a rejected step leaves the prediction as it was.
+TB_PREV_OBJ = 7  # addr int64[2, R]: id objects of the previous update, by position
+TB_PREV_ROW = 8  # addr int32[2, R]: their rows (-1 once freed)
+TB_ROW_PREV_POS = 9  # addr int32[2, R]: position of each row (valid where prev_row points back)
+TB_PREV_N = 10
+TB_SCR = 11  # addr int32[NUM_SCR, R] scratch
+TB_STAMP = 12
+TB_ERR_POS = 13  # error detail: position of the item in its input
+TB_ERR_ARG = 14  # error detail: the offending value, group, ...
+TB_ERR_PHASE = 15  # error detail: PH_* (which input)
+TB_STG_POS = 16  # addr int64[cap]: flat positions of changed elements
+TB_STG_VAL = 17  # addr int32[cap]: their values
+TB_STG_CAP = 18
+TB_STG_N = 19
+TB_STG_ON = 20
+TB_FLAT_BT = 21  # addr int64[ng]: flat offset of each block table
+TB_FLAT_TOK = 22  # flat offset of token_ids; -1: not mirrored
+TB_ERR_FIELD = 23  # error detail: FLD_* (which attribute)
+TB_PREV_CUR = 24  # which prediction buffer is current
+TB_PREV_OWNED = 25  # 1: the table holds a reference to each object of the current buffer
+TB_STG_DUPS = 26  # 1: this step staged some element twice (a row added and updated by it)
+TB_RES = 27  # addr int32[3 * R]: rows of the step: cached then new at [0, 2R), freed at [2R, 3R)
+TB_RES_NC = 28  # number of cached rows in the result
+TB_RES_NN = 29  # number of new rows (they follow the cached ones)
+TB_RES_NF = 30  # number of freed rows (ascending)
+# the batch of the step (BatchReqState), computed when TB_DQL > 0
+TB_DQL = 31  # decode_query_len (speculative steps + 1); 0: no batch
+TB_BATCH = 32  # addr int32[B_ROWS, R]: batch outputs and scratch, by batch position
+TB_BATCH_IDX = 33  # addr intp[R]: idx_mapping (batch position -> row)
+TB_BATCH_BOOL = 34  # addr bool[BB_ROWS, R]
+TB_BATCH_OBJ = 35  # addr int64[BO_ROWS, R]: key objects by dict position, sort keys
+TB_B_N = 36  # requests in the batch; -1: no batch this step
+TB_B_NUM_TOKENS = 37
+TB_B_MAX_QUERY = 38
+TB_B_HAS_PREFILL = 39
+TB_B_GRAPH_OK = 40  # decode_graph_eligible
+TB_B_HAS_DRAFTS = 41  # the step's scheduled_spec_decode_tokens is not empty
+TB_B_STAMP = 42  # stamp of the row -> batch position map
+TB_SIZE = 44
+
+# the descriptor of one new request, as NEW_STRIDE ints of a flat list built
+# by the Python side (which holds every object these addresses point to)
+N_KEY = 0  # address of the req_id str
+N_PLEN = 1  # prompt_len
+N_NCT = 2  # num_computed_tokens
+N_MAXT = 3  # max_tokens
+N_TOK_KIND = 4  # V_* kind of prefill_token_ids
+N_TOK = 5  # its address
+N_TOK_N = 6  # its length (raw buffers)
+N_BLK = 7  # address of the block_ids tuple (one list per group)
+NEW_STRIDE = 8
+
+# scratch rows
+S_ROWS = 0  # cached position -> row
+S_NCT = 1  # cached position -> num_computed_tokens
+S_FREE = 2  # stamp: row freed by this step
+S_SEEN = 3  # stamp: row updated by this step
+S_REDIRECT = 4  # freed row -> row its id is re-added at, -1
+S_NEW = 5  # stamp: row assigned to a new request by this step
+S_NEWPOS = 6  # row -> index of that new request
+S_FREED = 7  # list of freed rows
+S_NEWROW = 8  # new request index -> row
+S_PRIOR = 9  # new request index -> its live row before the step, -1
+S_MISS = 10  # positions of this update that were not identity hits (a list)
+S_FLAGS = 11  # cached position -> 1 if its new blocks replace the row (resumed)
+S_NB0 = 12  # + g: per-new-request block counts of group g
+
+
+def num_scratch_rows(ng):
+    return S_NB0 + ng
+
+
+# int32 rows of the batch array, [B_ROWS, max_num_reqs]: outputs (in batch
+# order) first, then scratch (in the order of num_scheduled_tokens)
+B_NUM_SCHED = 0  # num_scheduled_tokens
+B_DRAFTS = 1  # num_draft_tokens
+B_PREFILL = 2  # prefill_len
+B_NCPT = 3  # num_computed_prefill_tokens
+B_MAXSEQ = 4  # max_seq_len
+B_POS_ROW = 5  # dict position -> row
+B_POS_NUM = 6  # dict position -> scheduled tokens
+B_POS_DRAFTS = 7  # dict position -> draft tokens
+B_ROW_STAMP = 8  # row -> TB_B_STAMP when the row is in the batch
+B_ROW_POS = 9  # row -> dict position (valid where stamped)
+B_PERM = 10  # batch position -> dict position
+B_ROWS = 11
+# bool rows, [BB_ROWS, max_num_reqs]
+BB_PREFILLING = 0  # is_prefilling
+BB_RUNS_AS_DECODE = 1  # prefill_runs_as_decode
+BB_ROWS = 2
+# int64 rows, [BO_ROWS, max_num_reqs]
+BO_KEYS = 0  # key objects of num_scheduled_tokens, by dict position
+BO_SORT = 1  # sort keys (tokens << 32 | position) of the extend/prefill classes
+BO_ROWS = 2
+
+# The step's inputs, one tuple the Python side builds (table.py) and holds
+# for the call: the kernel takes its address, so a launch costs one argument
+# whatever the step carries. None = absent.
+A_FIN = 0  # finished_req_ids: list/tuple of ids
+A_PRE = 1  # preempted_req_ids
+A_NEW = 2  # flat list of new-request descriptors (N_*)
+A_CID = 3  # scheduled_cached_reqs.req_ids
+A_CNCT_KIND = 4  # num_computed_tokens as an int vector: V_* kind (int)
+A_CNCT = 5  # its address (int)
+A_CNCT_N = 6  # its length, for raw buffers (int)
+A_CBLK = 7  # new_block_ids
+A_CRES = 8  # resumed_req_ids
+A_NST = 9  # num_scheduled_tokens: an exact dict (batch only)
+A_NST_KEYS = 10  # list(num_scheduled_tokens): permuted in place into the batch order
+A_SPEC = 11  # scheduled_spec_decode_tokens: an exact dict, or None
+A_TOTAL = 12  # total_num_scheduled_tokens: an int, or None (not checked)
+A_SIZE = 13
