@@ -1018,7 +1018,13 @@ class RequestTable:
             and not new
         ):
             cid, cnct, cblk, cres = cfields
-            if type(cid) is list and type(cnct) is list and type(cblk) is list and cres is None:
+            tr = type(cres)
+            if (
+                type(cid) is list
+                and type(cnct) is list
+                and type(cblk) is list
+                and (cres is None or ((tr is set or tr is frozenset or tr is list or tr is tuple) and not cres))
+            ):
                 keys = None
                 if batch is None:
                     args = (None, None, None, cid, 0, id(cnct), 0, cblk, None, None, None, None, None)

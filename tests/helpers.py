@@ -5,7 +5,7 @@ import copy
 import numpy as np
 from hypothesis import strategies as st
 
-from mtpstate._kernels import step as T
+from mtpstate._kernels import slots as T
 
 # the simulator's knobs that shape a trace (each test adds its sizes)
 SIM_KNOBS = {

@@ -61,7 +61,7 @@ class World:
     """A table and its oracle, with a few live requests and a step counter."""
 
     def __init__(self, **kw):
-        self.t = RequestTable(**CFG, **kw)
+        self.t = RequestTable(**CFG, decode_query_len=2, **kw)
         self.loop = LoopRequestTable(**CFG)
         self.k = 0
         self.nct = {}
@@ -304,6 +304,43 @@ def reentrant(w, p):
     return so, None, ["re-entrant"]
 
 
+def batch_case(kind):
+    """Bad batch inputs (num_scheduled_tokens, scheduled_spec_decode_tokens)."""
+
+    def fn(w, p):
+        so = w.build(p)
+        ids = list(so.num_scheduled_tokens)
+        if kind == "unknown":
+            so.num_scheduled_tokens["not-live"] = 1
+            return so, None, ["not-live"]
+        if kind == "count str":
+            so.num_scheduled_tokens[ids[0]] = "1"
+            return so, None, ["num_scheduled_tokens", ids[0]]
+        if kind == "count huge":
+            so.num_scheduled_tokens[ids[0]] = 2**80
+            return so, None, ["num_scheduled_tokens", ids[0]]
+        if kind == "drafts None":
+            so.scheduled_spec_decode_tokens = {ids[0]: None}
+            return so, None, ["scheduled_spec_decode_tokens", ids[0]]
+        if kind == "not a dict":
+            so.num_scheduled_tokens = list(so.num_scheduled_tokens.items())
+            return so, None, ["num_scheduled_tokens"]
+        if kind == "changed":
+            nst = so.num_scheduled_tokens
+
+            class Total:
+                def __index__(self):
+                    nst.pop(ids[0])
+                    nst["late"] = 1
+                    return len(nst)
+
+            so.total_num_scheduled_tokens = Total()
+            return so, None, ["changed"]
+        raise AssertionError(kind)
+
+    return fn
+
+
 def huge_id(w, p):
     p = (*p[:4], [("x" * (1 << 20), [1, 2])])
     return w.build(p), None, ["max_id_bytes"]
@@ -497,6 +534,10 @@ CASES = {
     "bool num_computed_tokens": bool_nct,
     "int subclass values": int_subclass,
     "lone surrogate id": surrogate_id,
+    **{
+        f"batch: {k}": batch_case(k)
+        for k in ("unknown", "count str", "count huge", "drafts None", "not a dict", "changed")
+    },
 }
 
 

@@ -19,7 +19,7 @@ from mtpstate import (
     StateError,
     UnknownRequestError,
 )
-from mtpstate._kernels import step as T
+from mtpstate._kernels import slots as T
 from mtpstate.tools.reference import LoopRequestTable
 from mtpstate.tools.sim import CachedRequestData, NewRequestData, SamplingParams, SchedulerOutput, Simulator
 
@@ -375,3 +375,16 @@ def test_tables_refuse_copies():
         for f in (copy.copy, copy.deepcopy, pickle.dumps):
             with pytest.raises(TypeError, match="cannot be copied"):
                 f(obj)
+
+
+@pytest.mark.parametrize(
+    "nct, blocks", [([4], [None]), ([], [None]), ([4], []), ([4, 5], [None, None])], ids=["1/1", "0/1", "1/0", "2/2"]
+)
+def test_unequal_cached_lists_with_empty_req_ids(nct, blocks):
+    """docs/api.md: unequal cached lists raise InvalidStepError, whatever
+    req_ids holds (they used to pass when req_ids was empty)."""
+    t = RequestTable(max_num_reqs=4, max_model_len=64)
+    c = CachedRequestData(req_ids=[], num_computed_tokens=nct, new_block_ids=blocks)
+    with pytest.raises(InvalidStepError, match="entries, req_ids has 0"):
+        t.apply(SchedulerOutput(scheduled_cached_reqs=c))
+    assert len(t) == 0

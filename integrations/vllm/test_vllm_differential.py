@@ -1,6 +1,7 @@
 """`make test-vllm`: mtpstate against vLLM 0.34.0's real scheduler and real
 Model Runner V2 state code (see harness.py), and StepResult.batch against
-its real gather_batch_req_state. Several thousand real steps, 0 disagreements; the legacy table (increments num_computed_tokens) must
+its real gather_batch_req_state. Several thousand real steps, 0
+disagreements; the legacy table (increments num_computed_tokens) must
 disagree under speculative decoding, which shows the comparison can fail."""
 
 import os

@@ -30,13 +30,24 @@ class _Step:
     """The step as the table reads it: the runner frees ``finished`` (finished,
     preempted, and new ids still live: a streaming-input update re-adds them)."""
 
-    __slots__ = ("finished_req_ids", "preempted_req_ids", "scheduled_new_reqs", "scheduled_cached_reqs")
+    __slots__ = (
+        "finished_req_ids",
+        "preempted_req_ids",
+        "scheduled_new_reqs",
+        "scheduled_cached_reqs",
+        "num_scheduled_tokens",
+        "scheduled_spec_decode_tokens",
+        "total_num_scheduled_tokens",
+    )
 
     def __init__(self, finished, so):
         self.finished_req_ids = finished
         self.preempted_req_ids = None
         self.scheduled_new_reqs = so.scheduled_new_reqs
         self.scheduled_cached_reqs = so.scheduled_cached_reqs
+        self.num_scheduled_tokens = getattr(so, "num_scheduled_tokens", None)
+        self.scheduled_spec_decode_tokens = getattr(so, "scheduled_spec_decode_tokens", None)
+        self.total_num_scheduled_tokens = getattr(so, "total_num_scheduled_tokens", None)
 
 
 class ModelRunnerV2State:
@@ -84,7 +95,10 @@ class ModelRunnerV2State:
             max_num_blocks_per_group=widths,
             device=rs.device,
             mirror_options={"ring_depth": ring_depth, "token_ids_on_device": False},
+            # the step's batch (gather_batch_req_state's BatchReqState) in the same call
+            decode_query_len=getattr(runner, "decode_query_len", None),
         )
+        self._batch = None
         t = self.table
         # the runner reads these every step; as views, apply's writes are theirs
         rs.num_computed_tokens_np = t.num_computed_tokens  # [max_num_reqs]
@@ -124,6 +138,7 @@ class ModelRunnerV2State:
         rs = self.runner.req_states
         res = self.table.apply(_Step(self._freeing, so))
         self._freeing = []
+        self._batch = res.batch
         new = so.scheduled_new_reqs
         if new:
             prefill_len = self.table.prefill_len
@@ -137,9 +152,19 @@ class ModelRunnerV2State:
                     rs.draft_tokens[row].zero_()
         return res
 
+    @property
+    def batch(self):
+        """The last applied step's :class:`~mtpstate.table.BatchReqState`
+        (None when the runner has no ``decode_query_len``)."""
+        return self._batch
+
     def batch_rows(self, req_ids) -> np.ndarray:
         """Rows of ``req_ids`` (the batch order of ``gather_batch_req_state``)
-        as the ``np.intp`` array ``idx_mapping_np``: one batched lookup."""
+        as the ``np.intp`` array ``idx_mapping_np``: the step's batch when
+        ``req_ids`` is its order (no lookup at all), else one batched lookup."""
+        b = self._batch
+        if b is not None and (req_ids is b.req_ids or req_ids == b.req_ids):
+            return b.idx_mapping_np
         return self.table.rows(req_ids).astype(np.intp)
 
     def idx_mapping(self, req_ids, device):
