@@ -19,7 +19,7 @@ from collections.abc import Iterable
 import numpy as np
 
 from mtpstate._kernels import index as K
-from mtpstate._kernels.native import ARRAY_LAYOUT_OK, ASCII_DATA_OFFSET, PY_ADDRESSES
+from mtpstate._kernels.native import ARRAY_LAYOUT_OK, ASCII_DATA_OFFSET, DICT_LAYOUT_OK, PY_ADDRESSES
 from mtpstate.errors import (
     CapacityError,
     DuplicateRequestError,
@@ -148,6 +148,7 @@ class RequestIndex:
         c[K.IX_HMASK] = (1 << _hash_bits) - 1
         c[K.IX_T_LIST : K.IX_FALSE + 1] = PY_ADDRESSES[:8]
         c[K.IX_T_DICT] = PY_ADDRESSES[8]
+        c[K.IX_DICT_OK] = DICT_LAYOUT_OK
         c[K.IX_ASCII_OFF] = ASCII_DATA_OFFSET
         c[K.IX_MAX_KEY] = max_id_bytes
         c[K.IX_ARRAY_OK] = int(ARRAY_LAYOUT_OK)

@@ -319,7 +319,7 @@ class BatchReqState:
 
     The arrays are views of arrays the table preallocates, valid until the
     next call that changes the table, like :class:`StepResult`'s; ``req_ids``
-    is a new list every step.
+    is a new list every step (made by the kernel).
 
     Attributes
     ----------
@@ -353,7 +353,7 @@ class BatchReqState:
         "_idx",
         "_bb",
         "_n",
-        "req_ids",
+        "_holder",
         "num_scheduled_tokens",
         "_num_draft_tokens",
         "idx_mapping_np",
@@ -364,13 +364,17 @@ class BatchReqState:
         "_prefill_runs_as_decode",
     )
 
-    def __init__(self, ctx, b, idx, bb):
+    def __init__(self, ctx, b, idx, bb, holder):
         self._ctx = ctx
         self._b = b  # [B_ROWS, max_num_reqs] int32
         self._idx = idx  # [max_num_reqs] intp
         self._bb = bb  # [BB_ROWS, max_num_reqs] bool
-        self.req_ids: list = []
+        self._holder = holder  # [the last batch's req_ids], put there by the kernel
         self._resize(0)
+
+    @property
+    def req_ids(self) -> list:
+        return self._holder[0]
 
     def _resize(self, n: int) -> None:
         # views change only when the batch size does (steady decode: never)
@@ -472,14 +476,13 @@ class _Step:
         "desc",
         "vec",
         "nst",
-        "keys",
         "spec",
         "total",
     )
 
     def __init__(self):
         self.fin = self.pre = self.cid = self.cnct = self.cblk = self.cres = self.desc = self.vec = None
-        self.nst = self.keys = self.spec = self.total = None
+        self.nst = self.spec = self.total = None
         self.new = ()
         self.keep = []
 
@@ -497,7 +500,6 @@ class _Step:
             self.cblk,
             self.cres,
             self.nst,
-            self.keys,
             self.spec,
             self.total,
         )
@@ -651,7 +653,9 @@ class RequestTable:
         c[T.TB_BATCH_BOOL] = self._b_bool.ctypes.data
         c[T.TB_BATCH_OBJ] = self._b_obj.ctypes.data
         c[T.TB_B_N] = -1
-        self._batch = BatchReqState(c, self._b, self._b_idx, self._b_bool) if decode_query_len else None
+        self._b_holder = [[]]  # the kernel puts each step's req_ids list here
+        c[T.TB_B_HOLDER] = id(self._b_holder)
+        self._batch = BatchReqState(c, self._b, self._b_idx, self._b_bool, self._b_holder) if decode_query_len else None
         self._result = StepResult(self._res, c, R, self._batch)
         # staging slots stay 0 (off, no buffer) unless a device mirror opens a step
         self._ix_addr = self._index._ctx_addr
@@ -698,6 +702,10 @@ class RequestTable:
 
     # -- internals ---------------------------------------------------------
 
+    def _check_batch(self) -> None:
+        if self._ctx[T.TB_B_N] == -2:
+            raise MemoryError("mtpstate: no memory for the batch's req_ids list (the step itself was applied)")
+
     @staticmethod
     def _read_cached(cached) -> tuple:
         """(req_ids, num_computed_tokens, new_block_ids, resumed_req_ids) of
@@ -717,7 +725,7 @@ class RequestTable:
         """Read the step's inputs once into a _Step (see its docstring).
         ``cached``: the fields from ``_read_cached`` or None; ``batch``:
         (num_scheduled_tokens, scheduled_spec_decode_tokens,
-        total_num_scheduled_tokens, list of the ids) or None."""
+        total_num_scheduled_tokens) or None."""
         b = _Step()
         keep = b.keep
         if fin is not None:
@@ -756,9 +764,8 @@ class RequestTable:
             if cres is not None:
                 b.cres = _ids_or_none(cres, "scheduled_cached_reqs.resumed_req_ids", keep)
         if batch is not None:
-            nst, spec, total, keys = batch
+            nst, spec, total = batch
             b.nst = _dict_of(nst, "num_scheduled_tokens", keep)
-            b.keys = keys if (keys is not None and b.nst is nst) else list(b.nst)
             if spec is not None:
                 b.spec = _dict_of(spec, "scheduled_spec_decode_tokens", keep)
             if total is not None and type(total) is not int:
@@ -809,13 +816,14 @@ class RequestTable:
             b.cnct = cnct
             b.vec = (K.V_OBJ, id(cnct), 0)
         if b.nst is not None:
-            ids = canonical_ids(b.keys, "scheduled request id")
-            counts = [_as_int(b.nst[k], f"scheduled request {key_text(r)!r}: num_scheduled_tokens")
-                      for k, r in zip(b.keys, ids)]  # fmt: skip
+            items = list(b.nst.items())
+            ids = canonical_ids([k for k, _ in items], "scheduled request id")
+            counts = [
+                _as_int(v, f"scheduled request {key_text(r)!r}: num_scheduled_tokens") for (_, v), r in zip(items, ids)
+            ]
             b.nst = dict(zip(ids, counts))
             if len(b.nst) != len(ids):
                 raise DuplicateRequestError("num_scheduled_tokens lists an id twice")
-            b.keys = list(b.nst)
         if b.spec is not None:
             spec = {}
             for k, v in list(b.spec.items()):
@@ -832,7 +840,7 @@ class RequestTable:
                         ) from None
                 spec[key] = v
             b.spec = spec
-        keep.append((b.fin, b.pre, b.cid, b.cnct, b.cblk, b.cres, b.nst, b.keys, b.spec))
+        keep.append((b.fin, b.pre, b.cid, b.cnct, b.cblk, b.cres, b.nst, b.spec))
         self._describe_new(b)
 
     def _launch(self, b: _Step) -> None:
@@ -853,8 +861,7 @@ class RequestTable:
                 if status == K.OK:
                     if mirror is not None:
                         mirror.end_step(int(self._ctx[T.TB_STG_N]), deduplicate=bool(self._ctx[T.TB_STG_DUPS]))
-                    if b.keys is not None:
-                        self._batch.req_ids = b.keys
+                    self._check_batch()
                     return
                 if status == K.E_KEY_TOO_LONG:
                     self._index._widen_keys(int(self._ctx[T.TB_ERR_ARG]))
@@ -880,7 +887,7 @@ class RequestTable:
         if phase == K.PH_NEW:
             ids = [r.req_id for r in b.new]
         elif phase == K.PH_BATCH:
-            ids = b.keys
+            ids = list(b.nst) if b.nst is not None else None
         elif phase == K.PH_SPEC:
             ids = list(b.spec) if b.spec is not None else None
         else:
@@ -1000,7 +1007,7 @@ class RequestTable:
                 nst = getattr(so, "num_scheduled_tokens", None)
                 if nst is not None:
                     spec = getattr(so, "scheduled_spec_decode_tokens", None)
-                    batch = (nst, spec, getattr(so, "total_num_scheduled_tokens", None), None)
+                    batch = (nst, spec, getattr(so, "total_num_scheduled_tokens", None))
         except StateError:
             raise
         except Exception as e:
@@ -1025,24 +1032,20 @@ class RequestTable:
                 and type(cblk) is list
                 and (cres is None or ((tr is set or tr is frozenset or tr is list or tr is tuple) and not cres))
             ):
-                keys = None
                 if batch is None:
-                    args = (None, None, None, cid, 0, id(cnct), 0, cblk, None, None, None, None, None)
+                    args = (None, None, None, cid, 0, id(cnct), 0, cblk, None, None, None, None)
                 else:
-                    nst, spec, total, _ = batch
+                    nst, spec, total = batch
+                    args = None
                     if (
                         type(nst) is dict
                         and (spec is None or type(spec) is dict)
                         and (total is None or type(total) is int)
                     ):
-                        keys = [*nst]
-                        batch = (nst, spec, total, keys)
-                        args = (None, None, None, cid, 0, id(cnct), 0, cblk, None, nst, keys, spec, total)
-                    else:
-                        args = None
+                        args = (None, None, None, cid, 0, id(cnct), 0, cblk, None, nst, spec, total)
                 if args is not None and tb_apply(self._ix_addr, self._tb_addr, id(args)) == K.OK:
-                    if keys is not None:
-                        self._batch.req_ids = keys
+                    if batch is not None:
+                        self._check_batch()
                     return self._result
                 # anything else: the general handling (the kernel changed nothing)
         self._launch(self._bind(fin, pre, new, cfields, batch))

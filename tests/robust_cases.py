@@ -335,7 +335,7 @@ def batch_case(kind):
                     return len(nst)
 
             so.total_num_scheduled_tokens = Total()
-            return so, None, ["changed"]
+            return so, None, ["late"]
         raise AssertionError(kind)
 
     return fn

@@ -167,14 +167,17 @@ def test_mapping_types_and_empty_batch():
 
 
 class _Mutator:
-    """total_num_scheduled_tokens whose __index__ changes the step's dict."""
+    """total_num_scheduled_tokens whose __index__ changes the step's dict
+    (Python code that runs while the step is bound)."""
 
-    def __init__(self, d):
+    def __init__(self, d, add):
         self.d = d
+        self.add = add
 
     def __index__(self):
         self.d.pop(next(iter(self.d)))
-        return 3
+        self.d[self.add] = 1
+        return sum(self.d.values())
 
 
 BAD = {
@@ -206,13 +209,20 @@ def test_bad_batch_input_changes_nothing(case):
     assert t.apply(_decode_step(["a", "b"], {"a": 1, "b": 1})).batch.req_ids == ["a", "b"]
 
 
-def test_dict_changed_during_the_call():
-    t = _table_with(["a", "b"])
+def test_dict_changed_while_binding():
+    """The dicts are read once, by the kernel, under the GIL: a change made
+    by a callback while the step is bound is seen whole (here: the first id
+    replaced by another one, live or not)."""
+    t = _table_with(["a", "b", "c"])
+    nst = {"a": 1, "b": 2}
+    so = _decode_step(["a", "b"], nst)
+    so.total_num_scheduled_tokens = _Mutator(nst, "c")
+    assert t.apply(so).batch.req_ids == ["c", "b"]
     before = table_snapshot(t)
     nst = {"a": 1, "b": 2}
     so = _decode_step(["a", "b"], nst)
-    so.total_num_scheduled_tokens = _Mutator(nst)
-    with pytest.raises(InvalidStepError, match="changed while the step was applied"):
+    so.total_num_scheduled_tokens = _Mutator(nst, "zz")
+    with pytest.raises(UnknownRequestError, match="'zz'"):
         t.apply(so)
     assert_same_snapshot(before, table_snapshot(t))
 

@@ -54,3 +54,13 @@ def test_reference_counts_nojit():
     from test_table import test_reference_counts_balance
 
     test_reference_counts_balance()
+
+
+def test_batch_differential_nojit():
+    """StepResult.batch as plain Python (dict entries, the kernel-made list)."""
+    from test_batch import drive
+
+    from mtpstate.tools.workloads import vllm_busy
+
+    warm, timed = vllm_busy(12, steps=6, seed=1)
+    drive(timed, 12, dql=4, fresh=True, warm=warm)

@@ -46,14 +46,22 @@ from mtpstate._kernels.index import (
     _table_find,
 )
 from mtpstate._kernels.native import (
+    DICT_MA_KEYS,
+    DICT_MA_USED,
+    DICT_MA_VALUES,
     OFF_ITEMS,
     OFF_SIZE,
     OFF_TYPE,
     dict_next,
+    err_clear,
+    incref,
     jit,
     ld32,
     ld64,
+    list_new,
+    list_set_item,
     load_i64,
+    load_u8,
     st8,
     st32,
     st64,
@@ -84,8 +92,10 @@ from mtpstate._kernels.slots import (
     TB_B_GRAPH_OK,
     TB_B_HAS_DRAFTS,
     TB_B_HAS_PREFILL,
+    TB_B_HOLDER,
     TB_B_MAX_QUERY,
     TB_B_N,
+    TB_B_NEXT_N,
     TB_B_NUM_TOKENS,
     TB_B_STAMP,
     TB_BATCH,
@@ -147,6 +157,35 @@ def _row_of_key(
 
 
 @jit
+def _dict_open(d, dict_ok):
+    """(direct, entries, entry size, entry count) of an exact dict: its
+    entries are read in place when the layout was verified at import and
+    the table is combined; otherwise (0, ...) and PyDict_Next is used."""
+    if dict_ok != 0 and load_i64(d + DICT_MA_VALUES) == 0:
+        dk = load_i64(d + DICT_MA_KEYS)
+        kind = load_u8(dk + 10)
+        if kind == 0 or kind == 1:
+            stride = 16 if kind == 1 else 24
+            return 1, dk + 32 + (np.int64(1) << np.int64(load_u8(dk + 9))), stride, load_i64(dk + 24)
+    return 0, 0, 0, 0
+
+
+@jit(inline="always")
+def _dict_item(d, direct, base, stride, nent, j):
+    """(found, next j, key, value) of the first item at entry >= j (the
+    ``ppos`` of PyDict_Next); borrowed references."""
+    if direct != 0:
+        while j < nent:
+            e = base + stride * j
+            j += 1
+            v = load_i64(e + stride - 8)
+            if v != 0:
+                return 1, j, load_i64(e + stride - 16), v
+        return 0, j, 0, 0
+    return dict_next(d, j)
+
+
+@jit
 def _same_key(a, b, allow, tp):
     pa, na, sa = _key_of(a, allow, tp)
     pb, nb, sb = _key_of(b, allow, tp)
@@ -184,9 +223,9 @@ def resolve_batch(
     tb,
     tp,
     allow,
+    dict_ok,
     R,
     nst,
-    nst_keys,
     spec,
     total,
     i_cid,
@@ -212,20 +251,17 @@ def resolve_batch(
 ):
     """Pass 1 of the batch: rows, counts and draft counts of every scheduled
     id, validated, and the batch order (``B_PERM``). Writes only the batch
-    scratch. ``nst``/``spec``: exact dicts (``spec`` 0 when absent);
-    ``nst_keys``: ``list(nst)`` made by the caller; ``total``: the int object
-    of ``total_num_scheduled_tokens`` or 0. Returns a status."""
+    scratch. ``nst``/``spec``: exact dicts (``spec`` 0 when absent), read
+    only here, once, under the GIL; ``total``: the int object of
+    ``total_num_scheduled_tokens`` or 0. Returns a status."""
     a_b = tb[TB_BATCH]
     a_bo = tb[TB_BATCH_OBJ]
     dql = tb[TB_DQL]
     bstamp = tb[TB_B_STAMP] + 1
     tb[TB_B_STAMP] = bstamp
-    if load_i64(nst_keys + OFF_TYPE) != tp[0]:  # pragma: no cover - built by table.py
-        return _berr(tb, E_NOT_CANONICAL, -1, 0, PH_BATCH, FLD_REQ_ID)
-    n = load_i64(nst_keys + OFF_SIZE)
+    n = load_i64(nst + DICT_MA_USED)
     if n > R:
         return _berr(tb, E_BATCH_SIZE, -1, n, PH_BATCH, FLD_REQ_ID)
-    i_keys = load_i64(nst_keys + OFF_ITEMS)
     O_ROW = B_POS_ROW * R
     O_NUM = B_POS_NUM * R
     O_DR = B_POS_DRAFTS * R
@@ -233,15 +269,14 @@ def resolve_batch(
     O_RPOS = B_ROW_POS * R
     O_KEYS = BO_KEYS * R
     sum_tokens = np.int64(0)
+    direct, base, stride, nent = _dict_open(nst, dict_ok)
     pos = 0
     for i in range(n + 1):
-        found, pos, k, val = dict_next(nst, pos)
-        if i == n:
-            if found != 0:
-                return _berr(tb, E_CHANGED, -1, 0, PH_BATCH, FLD_REQ_ID)
-            break
-        if found == 0 or k != _item(i_keys, i):
-            return _berr(tb, E_CHANGED, -1, 0, PH_BATCH, FLD_REQ_ID)
+        found, pos, k, val = _dict_item(nst, direct, base, stride, nent, pos)
+        if i == n or found == 0:
+            if (i == n) == (found == 0):
+                break
+            return _berr(tb, E_CHANGED, -1, 0, PH_BATCH, FLD_REQ_ID)  # pragma: no cover - GIL held
         v, st = _int_of(val, tp)
         if st == E_INT_RANGE or (st == OK and (v < 0 or v > INT32_MAX)):
             return _berr(tb, E_COUNT_VALUE, i, v if st == OK else -1, PH_BATCH, FLD_COUNT)
@@ -304,11 +339,12 @@ def resolve_batch(
     # draft tokens: scheduled_spec_decode_tokens lists the same ids in the same order
     has_drafts = 0
     if spec != 0:
+        direct, base, stride, nent = _dict_open(spec, dict_ok)
         pos = 0
         c = 0  # the position the next entry is predicted at
         j = 0
         while True:
-            found, pos, k, val = dict_next(spec, pos)
+            found, pos, k, val = _dict_item(spec, direct, base, stride, nent, pos)
             if found == 0:
                 break
             has_drafts = 1
@@ -356,6 +392,7 @@ def resolve_batch(
             j += 1
     tb[TB_B_HAS_DRAFTS] = has_drafts
     tb[TB_B_NUM_TOKENS] = sum_tokens
+    tb[TB_B_NEXT_N] = n
 
     # the order of sort_batch_req_ids: key (no drafts, tokens != dql, tokens),
     # stable; classes 0 and 2 hold one token count (dql) and keep dict order
@@ -409,20 +446,26 @@ def resolve_batch(
 
 
 @jit
-def write_batch(tb, R, a_state, nst_keys, n):
+def write_batch(tb, R, a_state):
     """Pass 2 of the batch, once the step is applied: the batch's arrays in
-    batch order, its scalars, and ``nst_keys`` (the caller's own list of the
-    scheduled ids) permuted in place into the batch order."""
+    batch order, its scalars, and a new list of the ids in batch order, put
+    into the table's holder list (which releases the previous one)."""
     a_b = tb[TB_BATCH]
     a_bo = tb[TB_BATCH_OBJ]
     a_idx = tb[TB_BATCH_IDX]
     a_bb = tb[TB_BATCH_BOOL]
+    n = tb[TB_B_NEXT_N]
     O_PERM = B_PERM * R
     O_ROW = B_POS_ROW * R
     O_NUM = B_POS_NUM * R
     O_DR = B_POS_DRAFTS * R
     O_KEYS = BO_KEYS * R
-    i_keys = load_i64(nst_keys + OFF_ITEMS)
+    lst = list_new(n)
+    if lst == 0:  # out of memory: no batch this step (the Python side raises)
+        err_clear()
+        tb[TB_B_N] = -2
+        return
+    i_lst = load_i64(lst + OFF_ITEMS)
     has_prefill = 0
     graph_ok = 1
     max_query = 0
@@ -449,7 +492,10 @@ def write_batch(tb, R, a_state, nst_keys, n):
             if not as_decode:
                 graph_ok = 0
         max_query = max(max_query, v)
-        st64(i_keys, p, ld64(a_bo, O_KEYS + q))  # a permutation: reference counts unchanged
+        k = ld64(a_bo, O_KEYS + q)
+        incref(k)
+        st64(i_lst, p, k)
+    list_set_item(tb[TB_B_HOLDER], 0, lst)  # steals lst; releases the previous list
     tb[TB_B_N] = n
     tb[TB_B_MAX_QUERY] = max_query
     tb[TB_B_HAS_PREFILL] = has_prefill

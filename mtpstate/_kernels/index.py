@@ -130,7 +130,8 @@ IX_ASCII_OFF = 23  # data offset of compact ASCII str objects, 0 = read them thr
 IX_MAX_KEY = 24  # max_id_bytes: longer ids are refused (new) or cannot be live (lookups)
 IX_ARRAY_OK = 25  # 1: array.array's object layout was verified at import (ob_item, ob_descr)
 IX_T_DICT = 26
-IX_SIZE = 27
+IX_DICT_OK = 27  # 1: dict entries are read in place (layout verified at import), 0: PyDict_Next
+IX_SIZE = 28
 
 
 @jit(signature="int64(int64[::1], int64, int64, int64, int64)")

@@ -451,6 +451,105 @@ def _capi_dict_next(typingctx, d, pos):
 dict_next = _pick(_py_dict_next, lambda: _capi_dict_next)
 
 
+# dict entries read in place (what PyDict_Next does, without a call per
+# item). CPython >= 3.11, GIL builds: PyDictObject has ma_keys at 32 and
+# ma_values at 40 (NULL for a combined table); the keys object has
+# dk_log2_index_bytes at 9, dk_kind at 10, dk_nentries at 24 and the index
+# array at 32, followed by the entries: {key, value} for all-str keys
+# (dk_kind 1), {hash, key, value} otherwise (dk_kind 0). Checked here, on
+# this interpreter; 0 = iterate with PyDict_Next.
+
+DICT_MA_USED = 16  # the number of items (every CPython 3)
+DICT_MA_KEYS = 32
+DICT_MA_VALUES = 40
+
+
+def _probe_dict_layout() -> int:
+    if sys.version_info < (3, 11) or sys.version_info >= (3, 15):
+        return 0
+    if hasattr(sys, "_is_gil_enabled"):
+        try:
+            if not sys._is_gil_enabled():
+                return 0
+        except Exception:  # pragma: no cover
+            return 0
+    try:
+        for keys in (["a", "bb", "cmpl-0123456789abcdef-0", "x" * 40], [1, "b", 3.5, "d"]):
+            d = {k: [i] for i, k in enumerate(keys)}
+            del d[keys[1]]
+            want = [(id(k), id(v)) for k, v in d.items()]
+            if _py_load_i64(id(d) + DICT_MA_VALUES) != 0:
+                return 0
+            dk = _py_load_i64(id(d) + DICT_MA_KEYS)
+            kind = _py_load_u8(dk + 10)
+            if kind not in (0, 1) or kind != (1 if all(type(k) is str for k in keys) else 0):
+                return 0
+            stride = 16 if kind == 1 else 24
+            base = dk + 32 + (1 << _py_load_u8(dk + 9))
+            got = []
+            for j in range(_py_load_i64(dk + 24)):
+                k = _py_load_i64(base + stride * j + stride - 16)
+                v = _py_load_i64(base + stride * j + stride - 8)
+                if v:
+                    got.append((k, v))
+            if got != want:
+                return 0
+    except Exception:  # pragma: no cover
+        return 0
+    return 1
+
+
+DICT_LAYOUT_OK = _probe_dict_layout()
+
+
+# ----------------------------------------------------------------------------
+# a new list, made by a kernel: PyList_New, then its items stored directly
+# (each with a reference); PyList_SetItem hands it to a holder list, which
+# releases the list it held before (only lists of exact str: no Python code)
+
+_api.PyList_New.argtypes = [ctypes.c_ssize_t]
+_api.PyList_New.restype = ctypes.c_void_p
+_api.PyList_SetItem.argtypes = [ctypes.c_void_p, ctypes.c_ssize_t, ctypes.c_void_p]
+_api.PyList_SetItem.restype = ctypes.c_int
+
+
+def _py_list_new(n):
+    return _api.PyList_New(int(n)) or 0
+
+
+def _py_list_set_item(lst, i, obj):
+    return _api.PyList_SetItem(int(lst), int(i), int(obj))
+
+
+@intrinsic
+def _capi_list_new(typingctx, n):
+    sig = types.int64(types.int64)
+
+    def codegen(context, builder, signature, args):
+        fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_I8P, [_I64]), "PyList_New")
+        return builder.ptrtoint(builder.call(fn, [args[0]]), _I64)
+
+    return sig, codegen
+
+
+@intrinsic
+def _capi_list_set_item(typingctx, lst, i, obj):
+    sig = types.int64(types.int64, types.int64, types.int64)
+
+    def codegen(context, builder, signature, args):
+        i32 = ir.IntType(32)
+        fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(i32, [_I8P, _I64, _I8P]), "PyList_SetItem")
+        res = builder.call(fn, [builder.inttoptr(args[0], _I8P), args[1], builder.inttoptr(args[2], _I8P)])
+        return builder.sext(res, _I64)
+
+    return sig, codegen
+
+
+list_new = _pick(_py_list_new, lambda: _capi_list_new)
+err_clear = _pick(lambda: _api.PyErr_Clear(), lambda: _capi_err_occurred_clear)
+list_set_item = _pick(_py_list_set_item, lambda: _capi_list_set_item)
+
+
 # ----------------------------------------------------------------------------
 # 64-bit hashing of key bytes (our own hash: independent of PYTHONHASHSEED and
 # of whether Python has cached the str's hash)

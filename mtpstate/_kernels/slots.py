@@ -63,7 +63,9 @@ TB_B_HAS_PREFILL = 39
 TB_B_GRAPH_OK = 40  # decode_graph_eligible
 TB_B_HAS_DRAFTS = 41  # the step's scheduled_spec_decode_tokens is not empty
 TB_B_STAMP = 42  # stamp of the row -> batch position map
-TB_SIZE = 44
+TB_B_HOLDER = 43  # id of a 1-item list the kernel puts the batch's req_ids list into
+TB_B_NEXT_N = 44  # the batch size found by the resolve pass, for the write pass
+TB_SIZE = 46
 
 # the descriptor of one new request, as NEW_STRIDE ints of a flat list built
 # by the Python side (which holds every object these addresses point to)
@@ -116,7 +118,7 @@ BB_PREFILLING = 0  # is_prefilling
 BB_RUNS_AS_DECODE = 1  # prefill_runs_as_decode
 BB_ROWS = 2
 # int64 rows, [BO_ROWS, max_num_reqs]
-BO_KEYS = 0  # key objects of num_scheduled_tokens, by dict position
+BO_KEYS = 0  # key objects of num_scheduled_tokens, by dict position (the batch's req_ids)
 BO_SORT = 1  # sort keys (tokens << 32 | position) of the extend/prefill classes
 BO_ROWS = 2
 
@@ -133,7 +135,6 @@ A_CNCT_N = 6  # its length, for raw buffers (int)
 A_CBLK = 7  # new_block_ids
 A_CRES = 8  # resumed_req_ids
 A_NST = 9  # num_scheduled_tokens: an exact dict (batch only)
-A_NST_KEYS = 10  # list(num_scheduled_tokens): permuted in place into the batch order
-A_SPEC = 11  # scheduled_spec_decode_tokens: an exact dict, or None
-A_TOTAL = 12  # total_num_scheduled_tokens: an int, or None (not checked)
-A_SIZE = 13
+A_SPEC = 10  # scheduled_spec_decode_tokens: an exact dict, or None
+A_TOTAL = 11  # total_num_scheduled_tokens: an int, or None (not checked)
+A_SIZE = 12

@@ -51,6 +51,7 @@ from mtpstate._kernels.index import (
     FLD_TOKENS,
     INT32_MAX,
     IX_ARRAY_OK,
+    IX_DICT_OK,
     IX_FREE_HINT,
     IX_MAX_KEY,
     IX_NUM_LIVE,
@@ -83,7 +84,6 @@ from mtpstate._kernels.index import (
 )
 from mtpstate._kernels.native import (
     OFF_ITEMS,
-    OFF_SIZE,
     OFF_TYPE,
     decref,
     incref,
@@ -107,7 +107,6 @@ from mtpstate._kernels.slots import (
     A_FIN,
     A_NEW,
     A_NST,
-    A_NST_KEYS,
     A_PRE,
     A_SPEC,
     A_TOTAL,
@@ -474,16 +473,15 @@ def tb_apply(ixc, tbc, args):
     nst = _arg(items, A_NST, none)
     if tb[TB_DQL] == 0:
         nst = 0
-    nst_keys = _arg(items, A_NST_KEYS, none)
     spec = _arg(items, A_SPEC, none)
     total = _arg(items, A_TOTAL, none)
     if fin == 0 and pre == 0 and new == 0 and cres == 0:
-        return _update_only(ixc, tbc, cid, cnct_kind, cnct, cnct_n, cblk, nst, nst_keys, spec, total)
-    return _general(ixc, tbc, fin, pre, new, cid, cnct_kind, cnct, cnct_n, cblk, cres, nst, nst_keys, spec, total)
+        return _update_only(ixc, tbc, cid, cnct_kind, cnct, cnct_n, cblk, nst, spec, total)
+    return _general(ixc, tbc, fin, pre, new, cid, cnct_kind, cnct, cnct_n, cblk, cres, nst, spec, total)
 
 
 @jit
-def _update_only(ixc, tbc, cid, cnct_kind, cnct, cnct_n, cblk, nst, nst_keys, spec, total):
+def _update_only(ixc, tbc, cid, cnct_kind, cnct, cnct_n, cblk, nst, spec, total):
     """The running requests' update in a single pass (the steady state of
     decoding).
 
@@ -523,9 +521,9 @@ def _update_only(ixc, tbc, cid, cnct_kind, cnct, cnct_n, cblk, nst, nst_keys, sp
                 tb,
                 tp,
                 allow,
+                ix[IX_DICT_OK],
                 R,
                 nst,
-                nst_keys,
                 spec,
                 total,
                 0,
@@ -551,7 +549,7 @@ def _update_only(ixc, tbc, cid, cnct_kind, cnct, cnct_n, cblk, nst, nst_keys, sp
             )
             if st != OK:
                 return st
-            write_batch(tb, R, a_state, nst_keys, load_i64(nst_keys + OFF_SIZE))
+            write_batch(tb, R, a_state)
         return OK
     O_NCT = S_NCT * R
     O_ROWS = S_ROWS * R
@@ -668,9 +666,9 @@ def _update_only(ixc, tbc, cid, cnct_kind, cnct, cnct_n, cblk, nst, nst_keys, sp
             tb,
             tp,
             allow,
+            ix[IX_DICT_OK],
             R,
             nst,
-            nst_keys,
             spec,
             total,
             i_cid,
@@ -712,7 +710,7 @@ def _update_only(ixc, tbc, cid, cnct_kind, cnct, cnct_n, cblk, nst, nst_keys, sp
     tb[TB_RES_NC] = nc
     tb[TB_STG_N] = ns
     if nst != 0:
-        write_batch(tb, R, a_state, nst_keys, load_i64(nst_keys + OFF_SIZE))
+        write_batch(tb, R, a_state)
     return OK
 
 
@@ -753,7 +751,7 @@ def _desc(items, i, tp):
 
 
 @jit
-def _general(ixc, tbc, fin, pre, new, cid, cnct_kind, cnct, cnct_n, cblk, cres, nst, nst_keys, spec, total):
+def _general(ixc, tbc, fin, pre, new, cid, cnct_kind, cnct, cnct_n, cblk, cres, nst, spec, total):
     ix = view_i64(ixc, IX_SIZE)
     tb = view_i64(tbc, TB_SIZE)
     tp = _pytypes(ix)
@@ -1061,9 +1059,9 @@ def _general(ixc, tbc, fin, pre, new, cid, cnct_kind, cnct, cnct_n, cblk, cres, 
             tb,
             tp,
             allow,
+            ix[IX_DICT_OK],
             R,
             nst,
-            nst_keys,
             spec,
             total,
             i_cid,
@@ -1174,5 +1172,5 @@ def _general(ixc, tbc, fin, pre, new, cid, cnct_kind, cnct, cnct_n, cblk, cres, 
     tb[TB_RES_NF] = nfreed
     tb[TB_STG_N] = ns
     if nst != 0:
-        write_batch(tb, R, a_state, nst_keys, load_i64(nst_keys + OFF_SIZE))
+        write_batch(tb, R, a_state)
     return OK
