@@ -191,14 +191,12 @@ class _NewRequest:
 def _read_new_request(r, k: int) -> _NewRequest:
     """Bind one NewRequestData: read each attribute once, check the types
     that cannot be checked by the kernel, leave ranges to the kernel."""
-    who = f"new request #{k}"
     try:
         rid = r.req_id
     except Exception as e:
-        raise InvalidStepError(f"{who}: req_id: {e!r}") from None
+        raise InvalidStepError(f"new request #{k}: req_id: {e!r}") from None
     if not isinstance(rid, str):
-        raise InvalidStepError(f"{who}: req_id must be str, got {type(rid).__name__} {_short(rid)}")
-    who = f"new request {rid!r}"
+        raise InvalidStepError(f"new request #{k}: req_id must be str, got {type(rid).__name__} {_short(rid)}")
     try:
         prompt = r.prompt_token_ids
         tokens = getattr(r, "prefill_token_ids", None)
@@ -207,7 +205,31 @@ def _read_new_request(r, k: int) -> _NewRequest:
         sp = r.sampling_params
         max_tokens = sp.max_tokens if sp is not None else None
     except Exception as e:
-        raise InvalidStepError(f"{who}: {e!r}") from None
+        raise InvalidStepError(f"new request {rid!r}: {e!r}") from None
+    tb = type(blocks)
+    if (
+        type(rid) is str
+        and type(nct) is int
+        and (max_tokens is None or type(max_tokens) is int)
+        and (tb is tuple or tb is list)
+        and isinstance(prompt, _FAST_SEQ)
+        and (tokens is None or isinstance(tokens, _FAST_SEQ))
+    ):
+        # the usual shape (vLLM's NewRequestData): exact types; every item
+        # and range is checked by the kernel
+        return _NewRequest(
+            rid, len(prompt), prompt if tokens is None else tokens, blocks, nct, 1 if max_tokens is None else max_tokens
+        )
+    return _check_new_request(r, rid, prompt, tokens, blocks, nct, max_tokens)
+
+
+_FAST_SEQ = (list, tuple, array.array)
+
+
+def _check_new_request(r, rid, prompt, tokens, blocks, nct, max_tokens) -> _NewRequest:
+    """The values of one new request, read once by ``_read_new_request``,
+    for any other shape: every type checked, generators consumed once."""
+    who = f"new request {rid!r}"
     if prompt is not None and not hasattr(prompt, "__len__"):
         prompt = _int_list(prompt, f"{who}: prompt_token_ids")  # a generator: read it once
     if tokens is None:

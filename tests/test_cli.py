@@ -168,24 +168,32 @@ def test_progress_in_a_pipe_is_plain_lines(tmp_path):
     assert p.returncode == 0 and "\r" not in p.stderr and f"wrote {tmp_path / 't.trace'}" in p.stdout
 
 
-def test_compile_notice(capsys):
-    """A kernel compiled (not loaded from cache) is announced on stderr with
-    its duration; anything outside mtpstate is not."""
+def test_compile_notice(capsys, monkeypatch):
+    """Kernels compiled (not loaded from cache) are announced once per
+    process, in one line with their duration and how to avoid the wait;
+    anything outside mtpstate is not."""
     import numba
 
-    def _probe_kernel(x):
-        return x + 1
+    from mtpstate._kernels.native import COMPILE_NOTICE
 
-    _probe_kernel.__module__ = "mtpstate._probe"
-    numba.njit(_probe_kernel)(1)
-    err = capsys.readouterr().err
-    assert "mtpstate: compiled kernel _probe_kernel in" in err and err.count("\n") == 1
+    monkeypatch.setattr(COMPILE_NOTICE, "min_s", 0.0)
+    monkeypatch.setattr(COMPILE_NOTICE, "printed", False)
 
     def elsewhere(x):
         return x + 2
 
     numba.njit(elsewhere)(1)
     assert capsys.readouterr().err == ""
+    for k in range(2):
+
+        def _probe_kernel(x, k=k):
+            return x + k
+
+        _probe_kernel.__module__ = "mtpstate._probe"
+        numba.njit(_probe_kernel)(1)
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1, err
+    assert "mtpstate: compiled its kernels in" in err and "_probe_kernel" in err and "mtpstate warmup" in err
 
 
 def test_no_notice_when_loaded_from_cache():

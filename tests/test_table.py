@@ -388,3 +388,27 @@ def test_unequal_cached_lists_with_empty_req_ids(nct, blocks):
     with pytest.raises(InvalidStepError, match="entries, req_ids has 0"):
         t.apply(SchedulerOutput(scheduled_cached_reqs=c))
     assert len(t) == 0
+
+
+def test_finished_ids_are_released_by_the_step_that_finishes_them():
+    """The table's references to remembered id objects end with the step
+    that finishes them, also when no update follows (finish() alone)."""
+    t = RequestTable(max_num_reqs=8, max_model_len=64)
+    ids = ["".join(["req-", str(i)]) for i in range(4)]  # fresh objects, not interned
+    new = [NewRequestData(r, [1, 2], SamplingParams(4), ([i],), 0) for i, r in enumerate(ids)]
+    t.apply(SchedulerOutput(scheduled_new_reqs=new))
+    base = [sys.getrefcount(r) for r in ids]
+    for _ in range(3):
+        cached = CachedRequestData(list(ids), set(), [[]] * 4, [None] * 4, [2] * 4, [0] * 4)
+        t.apply(SchedulerOutput(scheduled_cached_reqs=cached))
+    assert [sys.getrefcount(r) for r in ids] == [b + 1 for b in base]  # remembered for the next prediction
+    t.finish(ids[:2])
+    assert [sys.getrefcount(r) for r in ids] == [base[0], base[1], base[2] + 1, base[3] + 1]
+    t.apply(SchedulerOutput(finished_req_ids=set(ids[2:])))
+    for _ in range(3):
+        t.finish([])
+    assert [sys.getrefcount(r) for r in ids] == base
+    # the next update is predicted by hash again, and still agrees
+    t.apply(SchedulerOutput(scheduled_new_reqs=[NewRequestData(ids[0], [1], SamplingParams(4), ([9],), 0)]))
+    t.apply(SchedulerOutput(scheduled_cached_reqs=CachedRequestData([ids[0]], set(), [[]], [None], [1], [0])))
+    assert t.num_computed_tokens[t.rows([ids[0]])].tolist() == [1]

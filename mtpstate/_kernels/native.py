@@ -65,13 +65,17 @@ def jit(fn=None, *, signature: str | None = None, **kwargs):
 class _CompileNotice(numba.core.event.Listener):
     """One line on stderr when mtpstate's kernels are compiled rather than
     loaded from numba's on-disk cache: the first ``apply`` in a fresh
-    environment otherwise waits ~20 s in silence. Only the outermost compile
-    of an ``mtpstate`` kernel is reported (its callees compile inside it).
-    ``MTPSTATE_COMPILE_NOTICE=0`` silences it."""
+    environment otherwise waits ~20 s in silence. Printed once per process,
+    when the first compile of an mtpstate kernel that takes ``min_s`` or more
+    ends (the step kernel), with the time of every mtpstate compile so far
+    (small helpers compile at import). ``MTPSTATE_COMPILE_NOTICE=0``
+    silences it."""
 
-    def __init__(self):
+    def __init__(self, min_s: float = 1.0):
         self.depth = 0
         self.t0 = 0.0
+        self.min_s = min_s
+        self.printed = False
         self.total_s = 0.0  # seconds spent compiling mtpstate kernels in this process
 
     @staticmethod
@@ -86,8 +90,6 @@ class _CompileNotice(numba.core.event.Listener):
         self.depth += 1
         if self.depth == 1:
             self.t0 = time.perf_counter()
-            if _notice_on() and sys.stderr.isatty():
-                print("mtpstate: compiling kernels (once per environment)...", end="", file=sys.stderr, flush=True)
 
     def on_end(self, event):
         name = self._ours(event)
@@ -97,12 +99,12 @@ class _CompileNotice(numba.core.event.Listener):
         if self.depth == 0:
             dt = time.perf_counter() - self.t0
             self.total_s += dt
-            if _notice_on():
-                lead = "\r" if sys.stderr.isatty() else ""
-                hint = "" if self.total_s > dt else "; `mtpstate warmup` does this ahead of time"
+            if dt >= self.min_s and not self.printed and _notice_on():
+                self.printed = True
                 print(
-                    f"{lead}mtpstate: compiled kernel {name} in {dt:.1f} s (first use in this environment, "
-                    f"cached on disk for later runs{hint})",
+                    f"mtpstate: compiled its kernels in {self.total_s:.1f} s ({name} and its helpers; first use "
+                    "in this environment: numba caches them on disk for later processes; `mtpstate warmup` "
+                    "does this ahead of time)",
                     file=sys.stderr,
                     flush=True,
                 )

@@ -1101,6 +1101,14 @@ def _general(ixc, tbc, fin, pre, new, cid, cnct_kind, cnct, cnct_n, cblk, cres, 
         pp = ld32(a_rpp, r)
         if 0 <= pp < prev_n and ld32(a_prev_row, pp) == r:
             st32(a_prev_row, pp, -1)
+            if cid == 0 and tb[TB_PREV_OWNED] != 0:
+                # no update follows in this call to hand the prediction's
+                # references on (see _commit_prediction): release the freed
+                # id's now, so that a finished id is not kept alive
+                obj = ld64(a_prev_obj, pp)
+                if obj != 0:
+                    st64(a_prev_obj, pp, 0)
+                    decref(obj)
     for k in range(nn):
         d = k * NEW_STRIDE
         r = scr[O_NEWROW + k]
