@@ -401,6 +401,7 @@ def test_finished_ids_are_released_by_the_step_that_finishes_them():
     for _ in range(3):
         cached = CachedRequestData(list(ids), set(), [[]] * 4, [None] * 4, [2] * 4, [0] * 4)
         t.apply(SchedulerOutput(scheduled_cached_reqs=cached))
+        del cached
     assert [sys.getrefcount(r) for r in ids] == [b + 1 for b in base]  # remembered for the next prediction
     t.finish(ids[:2])
     assert [sys.getrefcount(r) for r in ids] == [base[0], base[1], base[2] + 1, base[3] + 1]
