@@ -108,12 +108,13 @@ class RequestIndex:
         default) makes the probe sequence unpredictable to clients that pick
         their own request ids.
     max_id_bytes : int
-        Longest id accepted, in UTF-8 bytes. Key storage grows on demand up
-        to ``capacity * max_id_bytes``; a longer id is refused on insert
-        and is never live.
+        Longest id accepted, in UTF-8 bytes (default 65536). Ids of up to 56
+        bytes are stored in the row; longer ones in an arena whose size
+        follows the bytes of the live long ids (compacted, and returned, as
+        they finish). A longer id is refused on insert and is never live.
     """
 
-    def __init__(self, capacity: int, *, seed: int | None = None, max_id_bytes: int = 512, _hash_bits: int = 63):
+    def __init__(self, capacity: int, *, seed: int | None = None, max_id_bytes: int = 65536, _hash_bits: int = 63):
         capacity = operator.index(capacity)
         if capacity <= 0:
             raise ValueError(f"capacity must be positive, got {capacity}")
@@ -132,8 +133,9 @@ class RequestIndex:
         # they must stay referenced here for as long as the index lives
         self._slots = np.full(tsize, -1, np.int64)  # [table_size]
         self._row_hash = np.zeros(capacity, np.uint64)  # [capacity]
-        self._key_words = 8  # a length word, then 56 bytes of id; widened on demand
-        self._keys = np.zeros(capacity * self._key_words, np.uint64)  # [capacity * key_words]
+        self._key_words = K.KEY_WORDS  # a length word, then 56 bytes of id (or an arena address + 48)
+        self._keys = np.zeros(capacity * self._key_words, np.uint64)  # [capacity * KEY_WORDS]
+        self._arena = np.zeros(0, np.uint64)  # [arena words]: the long ids' bytes
         self._key_len = np.full(capacity, -1, np.int32)  # [capacity]
         self._ctx = np.zeros(K.IX_SIZE, np.int64)
         c = self._ctx
@@ -152,24 +154,51 @@ class RequestIndex:
         c[K.IX_ASCII_OFF] = ASCII_DATA_OFFSET
         c[K.IX_MAX_KEY] = max_id_bytes
         c[K.IX_ARRAY_OK] = int(ARRAY_LAYOUT_OK)
+        c[K.IX_ARENA] = self._arena.ctypes.data
         self._ctx_addr = int(c.ctypes.data)
 
     # -- internals -------------------------------------------------------
 
-    def _widen_keys(self, min_bytes: int) -> None:
-        """Grow the per-row key storage to hold ``min_bytes``-byte ids (at
-        most max_id_bytes: the kernels refuse longer ids first)."""
+    _ARENA_MIN_WORDS = 1024  # 8 KiB
+
+    def _grow_arena(self, short_words: int) -> None:
+        """Make room for ``short_words`` more arena words than the arena has
+        left: compact the live long ids into a new arena of twice what they
+        and the new ones need."""
+        c = self._ctx
+        self._compact_arena(int(c[K.IX_ARENA_LIVE]) + int(c[K.IX_ARENA_CAP]) - int(c[K.IX_ARENA_TOP]) + short_words)
+
+    def _maybe_shrink_arena(self) -> None:
+        """Return the memory of finished long ids once their garbage exceeds
+        what is live (called after calls that may have freed rows)."""
+        c = self._ctx
+        top, live = int(c[K.IX_ARENA_TOP]), int(c[K.IX_ARENA_LIVE])
+        if top - live > max(live, self._ARENA_MIN_WORDS):
+            self._compact_arena(live)
+
+    def _compact_arena(self, need_words: int) -> None:
+        c = self._ctx
         kw = self._key_words
-        new_kw = kw
-        while (new_kw - 1) * 8 < min_bytes:
-            new_kw *= 2
-        new_kw = min(new_kw, max(kw, (self.max_id_bytes + 7) // 8 + 1))
-        keys = np.zeros((self._capacity, new_kw), np.uint64)
-        keys[:, :kw] = self._keys.reshape(self._capacity, kw)
-        self._keys = keys.reshape(-1)
-        self._key_words = new_kw
-        self._ctx[K.IX_KEYS] = self._keys.ctypes.data
-        self._ctx[K.IX_KW] = new_kw
+        keys = self._keys.reshape(self._capacity, kw)
+        rows = np.flatnonzero(self._key_len > K.INLINE_BYTES)
+        nw = (self._key_len[rows].astype(np.int64) + 7) // 8
+        live = int(nw.sum())
+        cap = max(self._ARENA_MIN_WORDS, 2 * max(need_words, live))
+        arena = np.zeros(cap, np.uint64)
+        if live:
+            src = (keys[rows, 1].astype(np.int64) - self._arena.ctypes.data) // 8
+            starts = np.concatenate(([0], np.cumsum(nw)[:-1]))
+            arena[:live] = self._arena[np.repeat(src - starts, nw) + np.arange(live)]
+            keys[rows, 1] = (arena.ctypes.data + 8 * starts).astype(np.uint64)
+        self._arena = arena
+        c[K.IX_ARENA] = arena.ctypes.data
+        c[K.IX_ARENA_CAP] = cap
+        c[K.IX_ARENA_TOP] = live
+        c[K.IX_ARENA_LIVE] = live
+
+    def key_bytes(self) -> int:
+        """Bytes of key storage: the rows' inline keys and the arena."""
+        return self._keys.nbytes + self._arena.nbytes
 
     def _run(self, kernel, ids, *args):
         """Launch ``kernel`` on ``ids``; on a type it does not take, retry once
@@ -188,7 +217,7 @@ class RequestIndex:
                 if status == K.OK:
                     return ids
                 if status == K.E_KEY_TOO_LONG:
-                    self._widen_keys(int(self._ctx[K.IX_ERR_ARG]))
+                    self._grow_arena(int(self._ctx[K.IX_ERR_ARG]))
                 elif status == K.E_NOT_CANONICAL and not canonical:
                     ids = canonical_ids(ids)
                     canonical = True
@@ -295,6 +324,7 @@ class RequestIndex:
         req_ids = self._as_list(req_ids)
         out = np.empty(len(req_ids), np.int32)
         self._run(K.ix_remove, req_ids, out)
+        self._maybe_shrink_arena()
         return out
 
     def req_id(self, row: int) -> str | None:
@@ -306,7 +336,11 @@ class RequestIndex:
         if n < 0:
             return None
         kw = self._key_words
-        raw = self._keys[row * kw + 1 : (row + 1) * kw].tobytes()[:n]
+        if n <= K.INLINE_BYTES:
+            raw = self._keys[row * kw + 1 : (row + 1) * kw].tobytes()[:n]
+        else:
+            off = (int(self._keys[row * kw + 1]) - self._arena.ctypes.data) // 8
+            raw = self._arena[off : off + (n + 7) // 8].tobytes()[:n]
         return raw.decode("utf-8", "surrogatepass")
 
     def live_rows(self) -> np.ndarray:

@@ -551,9 +551,13 @@ class RequestTable:
     seed : int, optional
         Hash seed of the request index (rows never depend on it).
     max_id_bytes : int
-        Longest request id accepted, in UTF-8 bytes (default 512). Ids can
-        come from clients: the bound keeps key storage proportional to
-        ``max_num_reqs``. A longer new id is refused with a StateError.
+        Longest request id accepted, in UTF-8 bytes (default 65536). Ids can
+        come from clients: ids of up to 56 bytes live in the row, longer ones
+        in an arena sized by the live long ids (returned as they finish).
+        A step with a longer new id is refused with an InvalidStepError
+        naming it; check ids when admitting requests with
+        :meth:`accepts_request_id`, so that one request is turned away
+        instead of a step failing.
     prefault : bool
         Touch every page of the host arrays now (default), so that no step
         pays the kernel's page faults (zeroing a 2 MiB huge page takes
@@ -586,7 +590,7 @@ class RequestTable:
         device=None,
         mirror_options: dict | None = None,
         seed: int | None = None,
-        max_id_bytes: int = 512,
+        max_id_bytes: int = 65536,
         prefault: bool = True,
         decode_query_len: int | None = None,
         _hash_bits: int = 63,
@@ -884,9 +888,11 @@ class RequestTable:
                     if mirror is not None:
                         mirror.end_step(int(self._ctx[T.TB_STG_N]), deduplicate=bool(self._ctx[T.TB_STG_DUPS]))
                     self._check_batch()
+                    if b.fin is not None or b.pre is not None or b.new:
+                        self._index._maybe_shrink_arena()  # rows were freed
                     return
                 if status == K.E_KEY_TOO_LONG:
-                    self._index._widen_keys(int(self._ctx[T.TB_ERR_ARG]))
+                    self._index._grow_arena(int(self._ctx[T.TB_ERR_ARG]))
                     continue
                 if status == K.E_STAGE_FULL:
                     mirror.grow_staging(int(self._ctx[T.TB_ERR_ARG]))
@@ -1113,6 +1119,23 @@ class RequestTable:
         from mtpstate._kernels.arrays import update_from_arrays
 
         return update_from_arrays(self, req_ids, num_computed_tokens, new_block_offsets, new_block_ids)
+
+    @property
+    def max_id_bytes(self) -> int:
+        """The longest request id (UTF-8 bytes) a step may add."""
+        return self._index.max_id_bytes
+
+    def accepts_request_id(self, req_id) -> bool:
+        """Whether a new request with this id can be added (a str of at most
+        ``max_id_bytes`` UTF-8 bytes): what an engine checks when it admits a
+        request, to reject that one request rather than fail a step."""
+        if not isinstance(req_id, str):
+            return False
+        try:
+            n = len(req_id.encode("utf-8"))
+        except UnicodeEncodeError:
+            n = len(req_id.encode("utf-8", "surrogatepass"))
+        return n <= self._index.max_id_bytes
 
     def rows(self, req_ids) -> np.ndarray:
         """Rows of live ids (:class:`~mtpstate.UnknownRequestError` otherwise)."""

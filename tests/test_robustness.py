@@ -104,21 +104,69 @@ def test_two_threads_on_one_table():
 
 
 def test_huge_ids_keep_memory_bounded():
-    t = RequestTable(max_num_reqs=4096, max_model_len=64, block_sizes=(16,), max_id_bytes=256)
+    """Key storage follows the bytes of the live ids: a 1 MiB id over the cap
+    is refused and allocates nothing; one under it costs about its own size,
+    returned when it finishes (before: rows x the longest id ever seen)."""
     from mtpstate.tools.sim import NewRequestData, SamplingParams, SchedulerOutput
 
-    before = t.index._keys.nbytes
+    def new(rid):
+        return SchedulerOutput(scheduled_new_reqs=[NewRequestData(rid, [1], SamplingParams(2), ([0],), 0)])
+
+    t = RequestTable(max_num_reqs=4096, max_model_len=64, block_sizes=(16,))
+    before = t.index.key_bytes()
+    with pytest.raises(StateError, match="max_id_bytes=65536"):
+        t.apply(new("x" * (1 << 20)))
+    assert t.index.key_bytes() == before and len(t) == 0
+    assert not t.accepts_request_id("x" * (1 << 20)) and t.accepts_request_id("y" * 65536)
+    t.apply(new("y" * 65536))
+    assert t.index.key_bytes() - before <= 4 * 65536 + 16384  # ~2x the live id, not 4096 x 64 KiB
+    assert t.rows(["y" * 65536]).tolist() == [0] and t.index.req_id(0) == "y" * 65536
+    t.apply(SchedulerOutput(finished_req_ids={"y" * 65536}))
+    assert t.index.key_bytes() - before <= 16384  # returned
     with pytest.raises(StateError, match="max_id_bytes"):
-        t.apply(
-            SchedulerOutput(scheduled_new_reqs=[NewRequestData("x" * (1 << 20), [1], SamplingParams(2), ([0],), 0)])
+        t.index.insert(["z" * 70000])
+
+
+def test_long_ids_of_every_length_work():
+    """Ids around and beyond the inline 56 bytes, up to 64 KiB (a client's
+    X-Request-Id), with shared prefixes: added, updated (by identity, by
+    bytes with fresh objects, by hash), looked up, finished, re-added;
+    agreeing with the loop oracle after every step."""
+    import pickle
+
+    from helpers import assert_tables_agree
+
+    from mtpstate.tools.sim import CachedRequestData, NewRequestData, SamplingParams, SchedulerOutput
+
+    lengths = [1, 55, 56, 57, 63, 64, 65, 100, 1000, 4096, 65535, 65536]
+    ids = [("cmpl-" + "p" * 60)[: max(0, n - 4)] + f"{i:04d}"[-min(4, n) :] for i, n in enumerate(lengths)]
+    assert len(set(ids)) == len(ids)
+    cfg = dict(max_num_reqs=16, max_model_len=64, block_sizes=(16,))
+    t, loop = RequestTable(**cfg), LoopRequestTable(**cfg)
+
+    def both(so):
+        t.apply(so)
+        loop.apply(pickle.loads(pickle.dumps(so)))
+        assert_tables_agree(t, loop)
+
+    def add(rids, first_block):
+        return SchedulerOutput(
+            scheduled_new_reqs=[
+                NewRequestData(r, [1, 2], SamplingParams(8), ([first_block + k],), 0) for k, r in enumerate(rids)
+            ]
         )
-    assert t.index._keys.nbytes == before
-    # the longest accepted id widens the key storage to at most ~max_id_bytes per row
-    t.apply(SchedulerOutput(scheduled_new_reqs=[NewRequestData("y" * 256, [1], SamplingParams(2), ([0],), 0)]))
-    assert t.index._keys.nbytes <= 4096 * (256 + 16) * 2
-    assert t.rows(["y" * 256]).tolist() == [0]
-    with pytest.raises(StateError, match="max_id_bytes"):
-        t.index.insert(["z" * 300])
+
+    both(add(ids, 0))
+    n = len(ids)
+    for step in range(4):
+        order = ids if step % 2 == 0 else ids[::-1]
+        cached = CachedRequestData(list(order), set(), [[]] * n, [None] * n, [2 + step] * n, [0] * n)
+        so = SchedulerOutput(scheduled_cached_reqs=cached)
+        both(pickle.loads(pickle.dumps(so)) if step == 3 else so)  # fresh objects: found by bytes
+    assert [t.index.req_id(int(r)) for r in t.rows(ids)] == ids
+    both(SchedulerOutput(finished_req_ids=set(ids[::2])))
+    both(add(ids[::2], 20))
+    assert [t.index.req_id(int(r)) for r in t.rows(ids)] == ids
 
 
 def test_quiet_interpreter_exit():

@@ -148,9 +148,7 @@ def _row_of_key(
         k = _table_find(new_tab, ntab_mask, new_hash, new_ptr, new_len, h, ptr, klen)
         if k >= 0:
             return ld32(a_rows_n, k)
-    r = -1
-    if klen <= (kw - 1) * 8:
-        r = _probe(ix_slots, mask, keys, kw, h, ptr, klen)
+    r = _probe(ix_slots, mask, keys, kw, h, ptr, klen)
     if r >= 0 and nfreed > 0 and ld32(a_scr, S_FREE * R + r) == stamp:
         return -1  # freed by this step (a re-sent id was found among the new ones above)
     return r

@@ -43,7 +43,7 @@ from mtpstate._kernels.native import (
 
 OK = 0
 E_NOT_CANONICAL = 1  # a type the fast path does not take: normalize in Python, retry
-E_KEY_TOO_LONG = 2  # key storage too narrow: widen in Python, retry
+E_KEY_TOO_LONG = 2  # the key arena is too small for this call's long ids: grow it in Python, retry
 E_STAGE_FULL = 3  # staging buffer too small: grow in Python, retry
 E_NOT_STR = 4
 E_UNKNOWN = 5
@@ -103,8 +103,8 @@ INT32_MAX = 2147483647
 IX_SLOTS = 0  # addr int64[table_size]: (hash tag << 32 | row) per slot, -1 empty
 IX_MASK = 1  # table_size - 1
 IX_ROW_HASH = 2  # addr uint64[capacity]
-IX_KEYS = 3  # addr uint64[capacity * key_words]: per row [length, UTF-8 bytes zero padded]
-IX_KW = 4  # key_words
+IX_KEYS = 3  # addr uint64[capacity * KEY_WORDS]: per row [length, UTF-8 bytes zero padded] (see _key_matches_row)
+IX_KW = 4  # KEY_WORDS
 IX_KEY_LEN = 5  # addr int32[capacity]: key length, -1 = free row
 IX_CAP = 6
 IX_NUM_LIVE = 7
@@ -131,7 +131,18 @@ IX_MAX_KEY = 24  # max_id_bytes: longer ids are refused (new) or cannot be live 
 IX_ARRAY_OK = 25  # 1: array.array's object layout was verified at import (ob_item, ob_descr)
 IX_T_DICT = 26
 IX_DICT_OK = 27  # 1: dict entries are read in place (layout verified at import), 0: PyDict_Next
-IX_SIZE = 28
+# the arena of long keys (longer than INLINE_BYTES): uint64 words, bump
+# allocated; a row's words stay until the Python side compacts the arena
+IX_ARENA = 28  # addr uint64[IX_ARENA_CAP]
+IX_ARENA_CAP = 29
+IX_ARENA_TOP = 30  # words allocated so far
+IX_ARENA_LIVE = 31  # words of live keys
+IX_SIZE = 32
+
+# a row's key: [length, 7 words of bytes] inline; a longer key keeps
+# [length, its address in the arena, its first 6 words] inline
+KEY_WORDS = 8
+INLINE_BYTES = 8 * (KEY_WORDS - 1)
 
 
 @jit(signature="int64(int64[::1], int64, int64, int64, int64)")
@@ -314,17 +325,35 @@ def _slot_entry(h, row):
 
 @jit
 def _key_matches_row(keys, kw, r, ptr, n):
-    # keys row layout: [length, word 0, word 1, ...], one row per request
+    # keys row layout: [length, word 0, word 1, ...], one row per request;
+    # a long key: [length, arena address, words 0..5], all its words in the arena
     base = np.int64(r) * kw
     if keys[base] != np.uint64(n):
         return False
     nfull = n >> 3
-    for i in range(nfull):
-        if keys[base + 1 + i] != load_u64(ptr + 8 * i):
+    if n <= INLINE_BYTES:
+        for i in range(nfull):
+            if keys[base + 1 + i] != load_u64(ptr + 8 * i):
+                return False
+        if n & 7:
+            return keys[base + 1 + nfull] == _key_tail(ptr, n)
+        return True
+    for i in range(KEY_WORDS - 2):  # the inline prefix rejects most others
+        if keys[base + 2 + i] != load_u64(ptr + 8 * i):
+            return False
+    addr = np.int64(keys[base + 1])
+    for i in range(KEY_WORDS - 2, nfull):
+        if load_u64(addr + 8 * i) != load_u64(ptr + 8 * i):
             return False
     if n & 7:
-        return keys[base + 1 + nfull] == _key_tail(ptr, n)
+        return load_u64(addr + 8 * nfull) == _key_tail(ptr, n)
     return True
+
+
+@jit
+def key_arena_words(n):
+    """Arena words a key of n bytes takes (0: it fits inline)."""
+    return 0 if n <= INLINE_BYTES else (n + 7) // 8
 
 
 @jit
@@ -359,16 +388,35 @@ def _slot_insert(slots, mask, h, row):
 
 
 @jit
-def _write_key(keys, kw, key_len, row_hash, row, ptr, n, h):
+def _write_key(ctx, keys, kw, key_len, row_hash, row, ptr, n, h):
+    """Store the key of ``row``; a long one also in the arena, which the
+    caller checked has room (``_arena_short``)."""
     base = np.int64(row) * kw
     keys[base] = n
     nw = (n + 7) // 8
-    for i in range(nw):
-        keys[base + 1 + i] = _key_word(ptr, n, i)
-    for i in range(nw + 1, kw):
-        keys[base + i] = 0
+    if n <= INLINE_BYTES:
+        for i in range(nw):
+            keys[base + 1 + i] = _key_word(ptr, n, i)
+        for i in range(nw + 1, kw):
+            keys[base + i] = 0
+    else:
+        addr = ctx[IX_ARENA] + 8 * ctx[IX_ARENA_TOP]
+        ctx[IX_ARENA_TOP] += nw
+        ctx[IX_ARENA_LIVE] += nw
+        a = view_u64(addr, nw)
+        for i in range(nw):
+            a[i] = _key_word(ptr, n, i)
+        keys[base + 1] = np.uint64(addr)
+        for i in range(KEY_WORDS - 2):
+            keys[base + 2 + i] = a[i]
     key_len[row] = n
     row_hash[row] = h
+
+
+@jit
+def _arena_short(ctx, need_words):
+    """Words missing in the arena for ``need_words`` more (0: room enough)."""
+    return max(0, ctx[IX_ARENA_TOP] + need_words - ctx[IX_ARENA_CAP])
 
 
 @jit
@@ -400,6 +448,9 @@ def _slot_remove_row(slots, mask, row_hash, row):
 @jit
 def _ix_free_row(ctx, slots, row_hash, key_len, row):
     _slot_remove_row(slots, ctx[IX_MASK], row_hash, row)
+    n = key_len[row]
+    if n > INLINE_BYTES:
+        ctx[IX_ARENA_LIVE] -= (n + 7) // 8  # (its words are garbage until compaction)
     key_len[row] = -1
     ctx[IX_NUM_LIVE] -= 1
     if row < ctx[IX_FREE_HINT]:
@@ -425,7 +476,7 @@ def ix_find(ctx_addr, ids, out, strict):
         if st != OK:
             return _set_err(ctx, st, i, 0, 0)
         r = -1
-        if klen <= (kw - 1) * 8:
+        if klen <= ctx[IX_MAX_KEY]:  # (longer ids are never live)
             h = _hash_key(ptr, klen, seed, hmask)
             r = _probe(slots, mask, keys, kw, h, ptr, klen)
         if r < 0 and strict:
@@ -454,7 +505,7 @@ def ix_insert(ctx_addr, ids, out):
     while tsize < 2 * n:
         tsize *= 2
     batch = np.full(tsize, -1, np.int64)  # duplicate detection within the batch
-    need_bytes = 0
+    need_words = 0
     for i in range(n):
         ptr, klen, st = _key_of(_item(items, i), allow, tp)
         if st != OK:
@@ -462,10 +513,8 @@ def ix_insert(ctx_addr, ids, out):
         if klen > ctx[IX_MAX_KEY]:
             return _set_err(ctx, E_ID_TOO_LONG, i, klen, 0)
         h = _hash_key(ptr, klen, seed, hmask)
-        if klen > (kw - 1) * 8:
-            # cannot be live; widening is reported only once all else is valid
-            need_bytes = max(need_bytes, klen)
-        elif _probe(slots, mask, keys, kw, h, ptr, klen) >= 0:
+        need_words += key_arena_words(klen)
+        if _probe(slots, mask, keys, kw, h, ptr, klen) >= 0:
             return _set_err(ctx, E_LIVE, i, 0, 0)
         s = np.int64(h & np.uint64(tsize - 1))
         while batch[s] >= 0:
@@ -477,13 +526,15 @@ def ix_insert(ctx_addr, ids, out):
         ptrs[i] = ptr
         lens[i] = klen
         hashes[i] = h
-    if need_bytes > 0:
-        return _set_err(ctx, E_KEY_TOO_LONG, -1, need_bytes, 0)
+    # growing the arena is asked for only once all else is valid
+    short = _arena_short(ctx, need_words)
+    if short > 0:
+        return _set_err(ctx, E_KEY_TOO_LONG, -1, short, 0)
     cursor = ctx[IX_FREE_HINT]
     for i in range(n):
         while key_len[cursor] >= 0:
             cursor += 1
-        _write_key(keys, kw, key_len, row_hash, cursor, ptrs[i], lens[i], hashes[i])
+        _write_key(ctx, keys, kw, key_len, row_hash, cursor, ptrs[i], lens[i], hashes[i])
         _slot_insert(slots, mask, hashes[i], cursor)
         out[i] = cursor
         cursor += 1

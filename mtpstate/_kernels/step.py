@@ -63,6 +63,7 @@ from mtpstate._kernels.index import (
     PH_PREEMPT,
     PH_RESUMED,
     V_I32,
+    _arena_short,
     _hash_key,
     _int_of,
     _item,
@@ -81,6 +82,7 @@ from mtpstate._kernels.index import (
     _vec,
     _vget,
     _write_key,
+    key_arena_words,
 )
 from mtpstate._kernels.native import (
     OFF_ITEMS,
@@ -321,9 +323,7 @@ def _predict_miss(obj, j, prev_n, a_prev_row, a_rpp, slots, mask, keys, kw, seed
     if pr >= 0 and _key_matches_row(keys, kw, pr, ptr, klen):
         return pr, j + 1, OK, np.uint64(0), ptr, klen
     h = _hash_key(ptr, klen, seed, hmask)
-    row = -1
-    if klen <= (kw - 1) * 8:
-        row = _probe(slots, mask, keys, kw, h, ptr, klen)
+    row = _probe(slots, mask, keys, kw, h, ptr, klen)
     if row >= 0:
         pp = ld32(a_rpp, row)
         if 0 <= pp < prev_n and ld32(a_prev_row, pp) == row:
@@ -730,8 +730,6 @@ def _free_ids(
         ptr, klen, st = _key_of(_item(items, i), allow, tp)
         if st != OK:
             return nfreed, _err(tb, st, i, 0, phase, FLD_REQ_ID)
-        if klen > (kw - 1) * 8:
-            continue  # longer than any stored key: not live
         h = _hash_key(ptr, klen, seed, hmask)
         r = _probe(slots, mask, keys, kw, h, ptr, klen)
         if r >= 0 and scr[O_FREE + r] != stamp:
@@ -793,7 +791,7 @@ def _general(ixc, tbc, fin, pre, new, cid, cnct_kind, cnct, cnct_n, cblk, cres, 
     O_PRIOR = S_PRIOR * R
     O_FLAGS = S_FLAGS * R
     O_NB = S_NB0 * R
-    need_bytes = 0
+    need_words = 0
     nstage = 0
 
     # ---------------- pass 1: read and validate, write nothing -------------
@@ -862,11 +860,8 @@ def _general(ixc, tbc, fin, pre, new, cid, cnct_kind, cnct, cnct_n, cblk, cres, 
             new_ptr[k] = ptr
             new_len[k] = klen
             new_hash[k] = h
-            prior = -1
-            if klen > (kw - 1) * 8:
-                need_bytes = max(need_bytes, klen)
-            else:
-                prior = _probe(slots, mask, keys, kw, h, ptr, klen)
+            need_words += key_arena_words(klen)
+            prior = _probe(slots, mask, keys, kw, h, ptr, klen)
             scr[O_PRIOR + k] = prior
             if prior >= 0 and scr[O_FREE + prior] != stamp:
                 scr[O_FREE + prior] = stamp
@@ -1050,8 +1045,6 @@ def _general(ixc, tbc, fin, pre, new, cid, cnct_kind, cnct, cnct_n, cblk, cres, 
                     nstage += 1 + c
                     if c > 0:
                         prefetch(bt_addr[g] + 4 * (np.int64(row) * bt_w[g] + base))
-    if need_bytes > 0:
-        return _err(tb, E_KEY_TOO_LONG, -1, need_bytes, PH_NEW, FLD_REQ_ID)
     if staging and nstage > stg_cap:
         return _err(tb, E_STAGE_FULL, -1, nstage, 0, FLD_NONE)
     if nst != 0:
@@ -1087,6 +1080,10 @@ def _general(ixc, tbc, fin, pre, new, cid, cnct_kind, cnct, cnct_n, cblk, cres, 
         )
         if st != OK:
             return st
+    # the arena grows (in Python) only for a step that is valid otherwise
+    short = _arena_short(ix, need_words)
+    if short > 0:
+        return _err(tb, E_KEY_TOO_LONG, -1, short, PH_NEW, FLD_REQ_ID)
 
     # ---------------- pass 2: apply ----------------------------------------
     ns = 0
@@ -1113,7 +1110,7 @@ def _general(ixc, tbc, fin, pre, new, cid, cnct_kind, cnct, cnct_n, cblk, cres, 
         d = k * NEW_STRIDE
         r = scr[O_NEWROW + k]
         res[nc + k] = r
-        _write_key(keys, kw, key_len, row_hash, r, new_ptr[k], new_len[k], new_hash[k])
+        _write_key(ix, keys, kw, key_len, row_hash, r, new_ptr[k], new_len[k], new_hash[k])
         _slot_insert(slots, mask, new_hash[k], r)
         ix[IX_NUM_LIVE] += 1
         plen, st = _int_of(_item(i_new, d + N_PLEN), tp)
