@@ -6,7 +6,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: test test-slow test-nojit test-vllm bench bench-suite bench-vllm lint clean
+.PHONY: test test-slow test-nojit test-vllm bench bench-suite bench-vllm gpu-check lint clean
 
 # vLLM 0.34.0 tier: its unpacked sdist (nothing built) + its pure-Python deps
 VLLM_DIR := .vllm
@@ -55,6 +55,12 @@ bench-vllm: $(VSTAMP) $(VLLM_PATCHED)/.patched
 	$(VRUN) $(VPY) integrations/vllm/harness.py --bench --json docs/bench-vllm.json
 	PYTHONPATH=$(CURDIR)/$(VLLM_PATCHED) VLLM_LOGGING_LEVEL=ERROR $(VPY) integrations/vllm/harness.py --bench --patched \
 	  --json docs/bench-vllm-patched.json
+
+# on a CUDA machine with torch, numba, pytest(-benchmark), hypothesis installed
+# (no network, no venv): cuda tests, ring-reuse stress, mirror bench; files
+# under $$MTPSTATE_GPU_OUT (see integrations/gpu/gpu_check.py)
+gpu-check:
+	$(PYTHON) integrations/gpu/gpu_check.py
 
 bench: $(STAMP)
 	$(VENV)/bin/mtpstate bench

@@ -199,6 +199,19 @@ WORKLOADS = {
             num_blocks=20000,
             seed=6,
         ),
+        Workload(
+            "sync-1024-running",
+            steps=60,
+            num_spec=3,
+            max_num_seqs=1100,
+            max_num_batched_tokens=16384,
+            arrivals=20.0,
+            initial=1024,
+            prompt_len=(8, 64),
+            max_tokens=(30, 120),
+            num_blocks=60000,
+            seed=8,
+        ),
     )
 }
 
@@ -636,9 +649,10 @@ def run_workload(w: Workload, model_dir: str, check_pickled: bool = True, contro
 def run_patched(w: Workload, model_dir: str) -> dict:
     """With the patched vLLM source on the path: the runner's own methods with
     mtpstate switched on (``ModelRunnerV2State``) against the same methods
-    with it off (vLLM's original code paths), compared after every step,
-    including the batch -> row mapping ``batch_rows`` gives
-    ``gather_batch_req_state``."""
+    with it off (vLLM's original code paths), compared after every step:
+    the state, and the whole ``BatchReqState`` of ``gather_batch_req_state``
+    (on: built from ``StepResult.batch``), plus ``batch_rows`` /
+    ``idx_mapping``."""
     import inspect
 
     from vllm.v1.worker.gpu.model_runner import GPUModelRunner
@@ -649,11 +663,16 @@ def run_patched(w: Workload, model_dir: str) -> dict:
     args = (w.max_num_seqs, w.max_model_len, w.max_num_batched_tokens, drv.block_sizes, w.num_spec)
     ref, patched = MRV2Reference(*args), MRV2Reference(*args, use_mtpstate=True)
     res = {"workload": w.name, "steps": 0, "disagreements": 0, "first": []}
+    ids_ref = lambda rows: [ref.req_states.index_to_req_id[int(r)] for r in rows]  # noqa: E731
+    ids_pat = lambda rows: [patched.req_states.index_to_req_id[int(r)] for r in rows]  # noqa: E731
     for so in drv.steps():
         blob = pickle.dumps(so)
+        so2 = pickle.loads(blob)
         ref.apply(so)
-        patched.apply(pickle.loads(blob))
+        patched.apply(so2)
         bad = diff_states(ref.state(), patched.state())
+        # the whole BatchReqState: vLLM's gather (off) against StepResult.batch (on)
+        bad += diff_batches(ref.gather(so), ids_ref, patched.gather(so2), ids_pat)
         order = list(so.num_scheduled_tokens)
         rows = patched.mtp.batch_rows(order)
         if [patched.req_states.index_to_req_id[int(r)] for r in rows] != order:
@@ -709,8 +728,6 @@ def _bench(w, model_dir, repeats, patched):
     ``RequestTable(decode_query_len=...).apply(so).batch``, and
     ``RequestTable.apply`` alone (no batch) for the apply-only figure. A
     ``steady-*`` workload times only the steps that add and finish nothing."""
-    from vllm.v1.worker.gpu.model_runner import sort_batch_req_ids
-
     import mtpstate
 
     drv = Driver(w, model_dir)
@@ -734,9 +751,8 @@ def _bench(w, model_dir, repeats, patched):
             vb = ref.gather(s1)
             t1 = time.perf_counter()
             if patched:
-                o2 = sort_batch_req_ids(s2.num_scheduled_tokens, s2.scheduled_spec_decode_tokens, dq)
                 sub.apply(s2)
-                m2 = sub.mtp.batch_rows(o2)
+                m2 = sub.gather(s2).idx_mapping_np
             else:
                 m2 = ours.apply(s2).batch.idx_mapping_np
             t2 = time.perf_counter()
@@ -777,6 +793,12 @@ def main(argv=None) -> int:
         help="default: all (with --bench: the timing workloads)",
     )
     p.add_argument("--steps", type=int, help="override each workload's step count")
+    p.add_argument(
+        "--scale-steps",
+        type=int,
+        metavar="N",
+        help="each workload's step count x N / 400, at most N (what make test-vllm runs)",
+    )
     p.add_argument("--bench", action="store_true", help="paired timing instead of the differential")
     p.add_argument("--patched", action="store_true", help="the patched runner (mtpstate on) against itself off")
     p.add_argument("--json", metavar="FILE")
@@ -784,10 +806,12 @@ def main(argv=None) -> int:
     install_cpu_shims()
     model_dir = write_model_dir()
     table = {**WORKLOADS, **BENCH_WORKLOADS}
-    names = args.workload or sorted(BENCH_WORKLOADS if args.bench and not args.patched else WORKLOADS)
+    names = args.workload or sorted(BENCH_WORKLOADS if args.bench else WORKLOADS)
     results, failed = [], False
     for name in names:
         w = table[name] if args.steps is None else replace(table[name], steps=args.steps)
+        if args.scale_steps is not None:
+            w = replace(w, steps=min(w.steps * args.scale_steps // 400, args.scale_steps))
         t0 = time.perf_counter()
         if args.bench:
             r = bench_workload(w, model_dir, patched=args.patched)

@@ -23,7 +23,7 @@ STEPS = os.environ.get("MTPSTATE_VLLM_STEPS", "800")
 def test_patched_runner_agrees():
     env = dict(os.environ, PYTHONPATH=PATCHED, VLLM_LOGGING_LEVEL="ERROR")
     p = subprocess.run(
-        [sys.executable, os.path.join(HERE, "harness.py"), "--patched", "--steps", STEPS],
+        [sys.executable, os.path.join(HERE, "harness.py"), "--patched", "--scale-steps", STEPS],
         capture_output=True,
         text=True,
         env=env,

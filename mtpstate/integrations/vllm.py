@@ -152,11 +152,43 @@ class ModelRunnerV2State:
                     rs.draft_tokens[row].zero_()
         return res
 
+    def accepts_request_id(self, req_id) -> bool:
+        """Whether a request with this id can run (see
+        :meth:`RequestTable.accepts_request_id`): check it when the request
+        is admitted, and reject that request alone, instead of letting the
+        step that adds it fail for every running request."""
+        return self.table.accepts_request_id(req_id)
+
     @property
     def batch(self):
         """The last applied step's :class:`~mtpstate.table.BatchReqState`
         (None when the runner has no ``decode_query_len``)."""
         return self._batch
+
+    def batch_req_state(self, cls, use_pp: bool = False):
+        """The step's batch as vLLM's ``BatchReqState`` (``cls``, so that
+        this module imports no vLLM), for ``gather_batch_req_state``: the
+        arrays copied (vLLM's ``InputBatch`` keeps them past the next step's
+        apply), ``max_seq_len_np`` only with pipeline parallelism and a
+        prefill, as vLLM fills it."""
+        b = self._batch
+        drafts = b.num_draft_tokens_np
+        as_decode = b.prefill_runs_as_decode_np
+        has_prefill = b.has_prefill
+        return cls(
+            req_ids=b.req_ids,
+            num_scheduled_tokens=b.num_scheduled_tokens.copy(),
+            num_tokens=b.num_tokens,
+            num_draft_tokens_np=None if drafts is None else drafts.copy(),
+            idx_mapping_np=b.idx_mapping_np.copy(),
+            prefill_len_np=b.prefill_len_np.copy(),
+            num_computed_prefill_tokens_np=b.num_computed_prefill_tokens_np.copy(),
+            is_prefilling_np=b.is_prefilling_np.copy(),
+            max_seq_len_np=b.max_seq_len_np.copy() if use_pp and has_prefill else None,
+            has_prefill=has_prefill,
+            prefill_runs_as_decode_np=None if as_decode is None else as_decode.copy(),
+            decode_graph_eligible=b.decode_graph_eligible,
+        )
 
     def batch_rows(self, req_ids) -> np.ndarray:
         """Rows of ``req_ids`` (the batch order of ``gather_batch_req_state``)

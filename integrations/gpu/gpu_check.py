@@ -1,0 +1,109 @@
+"""The one-command GPU check (``make gpu-check``): on a machine with CUDA,
+torch, numba, pytest, pytest-benchmark and hypothesis installed and no
+network, in under 8 minutes:
+
+1. the ``cuda``-marked tests (device equality, slots never refilled while a
+   copy from them is in flight, apply returning before its copy lands, and
+   the ring-reuse stress test at async depths 2 and 3);
+2. the mirror benchmark at N = 1024 and 4096 (``mtpstate bench --only table``:
+   host-only, mirror to the GPU, and the loop's per-request staging);
+3. the machine: date, GPU, driver, CUDA, torch, numba, Python.
+
+Results go to files under ``$MTPSTATE_GPU_OUT`` (default ``gpu-check-out``):
+``machine.json``, ``cuda-tests.txt`` / ``cuda-tests.xml``, ``bench.json`` /
+``bench.txt``, ``summary.json``. Exit status 0 only if the tests passed.
+
+Run from the repository root: ``python integrations/gpu/gpu_check.py``.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def _run(cmd, out_txt, timeout, env):
+    t0 = time.perf_counter()
+    try:
+        p = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+        rc, text = p.returncode, p.stdout + p.stderr
+    except subprocess.TimeoutExpired as e:
+        rc, text = 124, f"timed out after {timeout} s\n{e.stdout or ''}{e.stderr or ''}"
+    with open(out_txt, "w") as f:
+        f.write(text)
+    return rc, time.perf_counter() - t0, text
+
+
+def machine() -> dict:
+    info = {
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+    }
+    try:
+        import numba
+        import torch
+
+        info.update(torch=torch.__version__, numba=numba.__version__, cuda=torch.version.cuda)
+        if torch.cuda.is_available():
+            info["gpu"] = torch.cuda.get_device_name(0)
+            info["gpus"] = torch.cuda.device_count()
+    except Exception as e:  # reported, not fatal: the tests will say more
+        info["import_error"] = repr(e)
+    if shutil.which("nvidia-smi"):
+        p = subprocess.run(
+            ["nvidia-smi", "--query-gpu=name,driver_version,memory.total", "--format=csv,noheader"],
+            capture_output=True,
+            text=True,
+        )
+        info["nvidia_smi"] = p.stdout.strip()
+    return info
+
+
+def main() -> int:
+    out = os.path.abspath(os.environ.get("MTPSTATE_GPU_OUT", "gpu-check-out"))
+    os.makedirs(out, exist_ok=True)
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    env.setdefault("NUMBA_CACHE_DIR", os.path.join(out, "numba-cache"))
+    info = machine()
+    with open(os.path.join(out, "machine.json"), "w") as f:
+        json.dump(info, f, indent=1)
+    print(json.dumps(info), flush=True)
+    if "gpu" not in info:
+        print("gpu-check: no CUDA device visible to torch", file=sys.stderr)
+        return 2
+    summary = {"machine": info}
+    xml = os.path.join(out, "cuda-tests.xml")
+    rc, dt, text = _run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "cuda", "tests/test_mirror.py",
+         f"--junitxml={xml}"],
+        os.path.join(out, "cuda-tests.txt"),
+        300,
+        env,
+    )  # fmt: skip
+    summary["cuda_tests"] = {"rc": rc, "seconds": round(dt, 1), "tail": text.strip().splitlines()[-1:]}
+    print(json.dumps(summary["cuda_tests"]), flush=True)
+    rc_b, dt_b, text_b = _run(
+        [sys.executable, "-m", "mtpstate", "bench", "--only", "table", "--sizes", "1024,4096",
+         "--json", os.path.join(out, "bench.json")],
+        os.path.join(out, "bench.txt"),
+        240,
+        env,
+    )  # fmt: skip
+    summary["bench"] = {"rc": rc_b, "seconds": round(dt_b, 1)}
+    print(text_b[-4000:], flush=True)
+    with open(os.path.join(out, "summary.json"), "w") as f:
+        json.dump(summary, f, indent=1)
+    return 0 if rc == 0 and rc_b == 0 else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
