@@ -216,7 +216,16 @@ def _sift64(a, lo, i, n):
     a[lo + i] = v
 
 
-@jit
+# explicit signatures: called from three sites, some with literal zeros,
+# which would otherwise compile one specialization each
+_RESOLVE_SIG = (
+    "int64(int64[::1], UniTuple(int64, 10), int64, int64, int64, int64, int64, int64, int64, int64, int64, int64,"
+    " int64, int64, int64[::1], int64, uint64[::1], int64, int64, int64, int64[::1], int64, uint64[::1],"
+    " int64[::1], int64[::1], int64, int64, int64)"
+)
+
+
+@jit(signature=_RESOLVE_SIG)
 def resolve_batch(
     tb,
     tp,
@@ -443,7 +452,12 @@ def resolve_batch(
     return OK
 
 
-@jit
+@jit(inline="always")
+def _st_bool(base, i, v):
+    st8(base, i, np.uint8(1) if v else np.uint8(0))
+
+
+@jit(signature="void(int64[::1], int64, int64)")
 def write_batch(tb, R, a_state):
     """Pass 2 of the batch, once the step is applied: the batch's arrays in
     batch order, its scalars, and a new list of the ids in batch order, put
@@ -498,8 +512,3 @@ def write_batch(tb, R, a_state):
     tb[TB_B_MAX_QUERY] = max_query
     tb[TB_B_HAS_PREFILL] = has_prefill
     tb[TB_B_GRAPH_OK] = graph_ok
-
-
-@jit(inline="always")
-def _st_bool(base, i, v):
-    st8(base, i, np.uint8(1) if v else np.uint8(0))

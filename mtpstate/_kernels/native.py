@@ -66,15 +66,16 @@ class _CompileNotice(numba.core.event.Listener):
     """One line on stderr when mtpstate's kernels are compiled rather than
     loaded from numba's on-disk cache: the first ``apply`` in a fresh
     environment otherwise waits ~20 s in silence. Printed once per process,
-    when the first compile of an mtpstate kernel that takes ``min_s`` or more
-    ends (the step kernel), with the time of every mtpstate compile so far
-    (small helpers compile at import). ``MTPSTATE_COMPILE_NOTICE=0``
-    silences it."""
+    when the first compile of an entry kernel (``entries``: the step kernel,
+    the index's) ends, with the time of every mtpstate compile so far (the
+    helpers with explicit signatures compile at import).
+    ``MTPSTATE_COMPILE_NOTICE=0`` silences it."""
 
-    def __init__(self, min_s: float = 1.0):
+    entries = frozenset({"tb_apply", "ix_find", "ix_insert", "ix_remove", "ix_rehash"})
+
+    def __init__(self):
         self.depth = 0
         self.t0 = 0.0
-        self.min_s = min_s
         self.printed = False
         self.total_s = 0.0  # seconds spent compiling mtpstate kernels in this process
 
@@ -99,7 +100,7 @@ class _CompileNotice(numba.core.event.Listener):
         if self.depth == 0:
             dt = time.perf_counter() - self.t0
             self.total_s += dt
-            if dt >= self.min_s and not self.printed and _notice_on():
+            if name in self.entries and not self.printed and _notice_on():
                 self.printed = True
                 print(
                     f"mtpstate: compiled its kernels in {self.total_s:.1f} s ({name} and its helpers; first use "
