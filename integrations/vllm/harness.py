@@ -731,6 +731,7 @@ def _bench(w, model_dir, repeats, patched):
     import mtpstate
 
     drv = Driver(w, model_dir)
+    _BLOCK_SIZES[w.name] = drv.block_sizes
     steps = list(drv.steps())
     blobs = [pickle.dumps(so) for so in steps]
     timed = [not w.name.startswith("steady") or _quiet(so) for so in steps]
@@ -766,6 +767,7 @@ def _bench(w, model_dir, repeats, patched):
                 running.append(len(s1.num_scheduled_tokens))
     ratios = np.array(t_ref) / np.array(t_ours)
     n_med = statistics.median(running)
+    ops = _torch_op_counts(w, blobs, timed, patched) if patched else None
     return {
         "workload": w.name,
         "subject": "patched runner (mtpstate on)" if patched else "RequestTable.apply(so).batch",
@@ -781,7 +783,48 @@ def _bench(w, model_dir, repeats, patched):
         "paired_median": float(np.median(ratios)),
         "paired_p10": float(np.percentile(ratios, 10)),
         "paired_p90": float(np.percentile(ratios, 90)),
+        **({"torch_ops": ops} if ops else {}),
     }
+
+
+def _torch_op_counts(w, blobs, timed, patched) -> dict:
+    """torch operator calls per step (a TorchDispatchMode counter, in a pass
+    of its own: counting slows the calls) on each side, over the timed part
+    (finish .. update, apply_staged_writes, gather_batch_req_state): on a GPU
+    each is a kernel launch or a copy. Split by steps with and without new
+    requests, to show whether the count grows with them."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Count(TorchDispatchMode):
+        n = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            Count.n += 1
+            return func(*args, **(kwargs or {}))
+
+    out = {}
+    for side, on in (("vllm", False), ("mtpstate", True)):
+        ref = None
+        counts = {"with_new": [], "without_new": []}
+        for b, keep in zip(blobs, timed):
+            so = pickle.loads(b)
+            if ref is None:
+                ref = MRV2Reference(
+                    w.max_num_seqs, w.max_model_len, w.max_num_batched_tokens, _BLOCK_SIZES[w.name], w.num_spec,
+                    use_mtpstate=on,
+                )  # fmt: skip
+            Count.n = 0
+            with Count():
+                ref.apply(so)
+                ref.gather(so)
+            if keep:
+                counts["with_new" if so.scheduled_new_reqs else "without_new"].append(Count.n)
+        out[side] = {k: (statistics.median(v) if v else None) for k, v in counts.items()}
+        out[side]["max"] = max(counts["with_new"] + counts["without_new"])
+    return out
+
+
+_BLOCK_SIZES: dict = {}
 
 
 def main(argv=None) -> int:

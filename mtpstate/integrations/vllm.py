@@ -142,14 +142,20 @@ class ModelRunnerV2State:
         new = so.scheduled_new_reqs
         if new:
             prefill_len = self.table.prefill_len
-            for r, row in zip(new, res.new_rows.tolist()):
+            rows = res.new_rows.tolist()
+            for r, row in zip(new, rows):
                 rs.req_id_to_index[r.req_id] = row
                 rs.index_to_req_id[row] = r.req_id
                 rs.total_len.stage_write_elem(row, int(prefill_len[row]))
                 rs.all_token_ids.stage_write(row, 0, r.prefill_token_ids)  # by reference, as vLLM does
                 rs.num_computed_tokens.stage_write_elem(row, r.num_computed_tokens)
-                if rs.num_speculative_steps > 0:
-                    rs.draft_tokens[row].zero_()
+            if rs.num_speculative_steps > 0:
+                # the new rows' draft tokens zeroed in one op (vLLM: one
+                # draft_tokens[row].zero_() per new request)
+                import torch
+
+                idx = torch.tensor(rows, dtype=torch.int64).to(rs.draft_tokens.device, non_blocking=True)
+                rs.draft_tokens.index_fill_(0, idx, 0)
         return res
 
     def accepts_request_id(self, req_id) -> bool:
