@@ -103,20 +103,8 @@ from mtpstate._kernels.slots import (
     TB_BATCH_IDX,
     TB_BATCH_OBJ,
     TB_DQL,
-    TB_ERR_ARG,
-    TB_ERR_FIELD,
-    TB_ERR_PHASE,
-    TB_ERR_POS,
+    _err,
 )
-
-
-@jit(signature="int64(int64[::1], int64, int64, int64, int64, int64)")
-def _berr(tb, code, pos, arg, phase, field):
-    tb[TB_ERR_POS] = pos
-    tb[TB_ERR_ARG] = arg
-    tb[TB_ERR_PHASE] = phase
-    tb[TB_ERR_FIELD] = field
-    return code
 
 
 @jit
@@ -268,7 +256,7 @@ def resolve_batch(
     tb[TB_B_STAMP] = bstamp
     n = load_i64(nst + DICT_MA_USED)
     if n > R:
-        return _berr(tb, E_BATCH_SIZE, -1, n, PH_BATCH, FLD_REQ_ID)
+        return _err(tb, E_BATCH_SIZE, -1, n, PH_BATCH, FLD_REQ_ID)
     O_ROW = B_POS_ROW * R
     O_NUM = B_POS_NUM * R
     O_DR = B_POS_DRAFTS * R
@@ -283,12 +271,12 @@ def resolve_batch(
         if i == n or found == 0:
             if (i == n) == (found == 0):
                 break
-            return _berr(tb, E_CHANGED, -1, 0, PH_BATCH, FLD_REQ_ID)  # pragma: no cover - GIL held
+            return _err(tb, E_CHANGED, -1, 0, PH_BATCH, FLD_REQ_ID)  # pragma: no cover - GIL held
         v, st = _int_of(val, tp)
         if st == E_INT_RANGE or (st == OK and (v < 0 or v > INT32_MAX)):
-            return _berr(tb, E_COUNT_VALUE, i, v if st == OK else -1, PH_BATCH, FLD_COUNT)
+            return _err(tb, E_COUNT_VALUE, i, v if st == OK else -1, PH_BATCH, FLD_COUNT)
         if st != OK:
-            return _berr(tb, st, i, 0, PH_BATCH, FLD_COUNT)
+            return _err(tb, st, i, 0, PH_BATCH, FLD_COUNT)
         # the i-th scheduled id (cached, then new) is the usual owner of position i
         e = 0
         erow = -1
@@ -302,7 +290,7 @@ def resolve_batch(
         if row < 0:
             ptr, klen, st = _key_of(k, allow, tp)
             if st != OK:
-                return _berr(tb, st, i, 0, PH_BATCH, FLD_REQ_ID)
+                return _err(tb, st, i, 0, PH_BATCH, FLD_REQ_ID)
             if e != 0 and _same_key(e, k, allow, tp):
                 row = erow
             else:
@@ -328,9 +316,9 @@ def resolve_batch(
                     nfreed,
                 )
             if row < 0:
-                return _berr(tb, E_UNKNOWN, i, 0, PH_BATCH, FLD_REQ_ID)
+                return _err(tb, E_UNKNOWN, i, 0, PH_BATCH, FLD_REQ_ID)
         if ld32(a_b, O_STAMP + row) == bstamp:
-            return _berr(tb, E_DUPLICATE, i, 0, PH_BATCH, FLD_REQ_ID)
+            return _err(tb, E_DUPLICATE, i, 0, PH_BATCH, FLD_REQ_ID)
         st32(a_b, O_STAMP + row, bstamp)
         st32(a_b, O_RPOS + row, i)
         st32(a_b, O_ROW + i, row)
@@ -341,7 +329,7 @@ def resolve_batch(
     if total != 0:
         t, st = _int_of(total, tp)
         if st != OK or t != sum_tokens:
-            return _berr(tb, E_TOTAL, -1, sum_tokens, PH_BATCH, FLD_TOTAL)
+            return _err(tb, E_TOTAL, -1, sum_tokens, PH_BATCH, FLD_TOTAL)
 
     # draft tokens: scheduled_spec_decode_tokens lists the same ids in the same order
     has_drafts = 0
@@ -357,7 +345,7 @@ def resolve_batch(
             has_drafts = 1
             t = load_i64(val + OFF_TYPE)
             if t != tp[0] and t != tp[1]:
-                return _berr(tb, E_NOT_CANONICAL, j, 0, PH_SPEC, FLD_DRAFTS)
+                return _err(tb, E_NOT_CANONICAL, j, 0, PH_SPEC, FLD_DRAFTS)
             cnt = load_i64(val + OFF_SIZE)
             p = -1
             if c < n and ld64(a_bo, O_KEYS + c) == k:
@@ -365,7 +353,7 @@ def resolve_batch(
             else:
                 ptr, klen, st = _key_of(k, allow, tp)
                 if st != OK:
-                    return _berr(tb, st, j, 0, PH_SPEC, FLD_REQ_ID)
+                    return _err(tb, st, j, 0, PH_SPEC, FLD_REQ_ID)
                 if c < n and _same_key(ld64(a_bo, O_KEYS + c), k, allow, tp):
                     p = c
                 else:

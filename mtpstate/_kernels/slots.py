@@ -7,6 +7,8 @@ step's argument tuple (``A_*``). The Python side (table.py, mirror.py) and the
 kernels (step.py, batch.py) read them from here.
 """
 
+from mtpstate._kernels.native import jit
+
 # per-row int32 fields of the state array, [NUM_FIELDS, max_num_reqs]
 F_NCT = 0  # num_computed_tokens
 F_NCPT = 1  # num_computed_prefill_tokens
@@ -138,3 +140,14 @@ A_NST = 9  # num_scheduled_tokens: an exact dict (batch only)
 A_SPEC = 10  # scheduled_spec_decode_tokens: an exact dict, or None
 A_TOTAL = 11  # total_num_scheduled_tokens: an int, or None (not checked)
 A_SIZE = 12
+
+
+@jit(signature="int64(int64[::1], int64, int64, int64, int64, int64)")
+def _err(tb, code, pos, arg, phase, field):
+    """Leave an error's detail in the table context (which input, which
+    item, which field, the offending value) and return its status."""
+    tb[TB_ERR_POS] = pos
+    tb[TB_ERR_ARG] = arg
+    tb[TB_ERR_PHASE] = phase
+    tb[TB_ERR_FIELD] = field
+    return code

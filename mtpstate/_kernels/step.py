@@ -144,10 +144,6 @@ from mtpstate._kernels.slots import (
     TB_BT_ADDR,
     TB_BT_W,
     TB_DQL,
-    TB_ERR_ARG,
-    TB_ERR_FIELD,
-    TB_ERR_PHASE,
-    TB_ERR_POS,
     TB_FLAT_BT,
     TB_FLAT_TOK,
     TB_L,
@@ -174,16 +170,8 @@ from mtpstate._kernels.slots import (
     TB_STG_POS,
     TB_STG_VAL,
     TB_TOK,
+    _err,
 )
-
-
-@jit(signature="int64(int64[::1], int64, int64, int64, int64, int64)")
-def _err(tb, code, pos, arg, phase, field):
-    tb[TB_ERR_POS] = pos
-    tb[TB_ERR_ARG] = arg
-    tb[TB_ERR_PHASE] = phase
-    tb[TB_ERR_FIELD] = field
-    return code
 
 
 @jit
@@ -515,41 +503,7 @@ def _update_only(ixc, tbc, cid, cnct_kind, cnct, cnct_n, cblk, nst, spec, total)
     tb[TB_STAMP] = stamp
     empty_i64 = np.empty(0, np.int64)
     empty_u64 = np.empty(0, np.uint64)
-    if cid == 0:
-        if nst != 0:
-            st = resolve_batch(
-                tb,
-                tp,
-                allow,
-                ix[IX_DICT_OK],
-                R,
-                nst,
-                spec,
-                total,
-                0,
-                0,
-                a_res,
-                0,
-                0,
-                a_res,
-                slots,
-                mask,
-                keys,
-                kw,
-                seed,
-                hmask,
-                empty_i64,
-                0,
-                empty_u64,
-                empty_i64,
-                empty_i64,
-                a_scr,
-                stamp,
-                0,
-            )
-            if st != OK:
-                return st
-            write_batch(tb, R, a_state)
+    if cid == 0:  # (finish() / add() with nothing to do: apply always passes the cached list)
         return OK
     O_NCT = S_NCT * R
     O_ROWS = S_ROWS * R
