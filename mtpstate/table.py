@@ -1040,7 +1040,18 @@ class RequestTable:
             raise
         except Exception as e:
             raise InvalidStepError(f"not a scheduler output: {e!r}") from None
-        cfields = self._read_cached(cached)
+        if cached is None:
+            raise InvalidStepError("scheduled_cached_reqs is None")
+        try:
+            cid = cached.req_ids
+            cnct = cached.num_computed_tokens
+            cblk = cached.new_block_ids
+            cres = getattr(cached, "resumed_req_ids", None)
+        except StateError:
+            raise
+        except Exception as e:
+            raise InvalidStepError(f"scheduled_cached_reqs: {e!r}") from None
+        cfields = (cid, cnct, cblk, cres)
         # the steady state of decoding (nothing finished or added, exact
         # lists and dicts): the kernel's arguments straight from the step
         tf, tp, tn = type(fin), type(pre), type(new)
@@ -1052,7 +1063,6 @@ class RequestTable:
             and (tn is list or tn is tuple)
             and not new
         ):
-            cid, cnct, cblk, cres = cfields
             tr = type(cres)
             if (
                 type(cid) is list
