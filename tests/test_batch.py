@@ -3,6 +3,7 @@ loop (mtpstate.tools.reference.vllm_gather_batch), field by field, every step;
 and its bad inputs: a StateError naming the request and field, state unchanged."""
 
 import pickle
+import sys
 from collections import OrderedDict
 
 import numpy as np
@@ -245,3 +246,22 @@ def test_bad_batch_in_a_general_step_changes_nothing():
     so.finished_req_ids = {"c"}
     with pytest.raises(UnknownRequestError, match="'c'"):
         t.apply(so)
+
+
+def test_split_table_dict_falls_back_to_pydict_next():
+    """An instance's __dict__ (a split table on CPython >= 3.11: its values
+    are not in the entries) is read with PyDict_Next, with the same result."""
+    import ctypes
+
+    class Holder:
+        pass
+
+    h = Holder()
+    h.b = 4  # attribute names double as request ids
+    h.a = 1
+    nst = vars(h)
+    split = ctypes.c_int64.from_address(id(nst) + 40).value != 0
+    t = _table_with(["a", "b"])
+    res = t.apply(_decode_step(["a", "b"], nst, spec={"b": [1, 2, 3]}))
+    assert res.batch.req_ids == ["b", "a"] and res.batch.num_scheduled_tokens.tolist() == [4, 1]
+    assert split or sys.version_info < (3, 11)  # the case this test is about
