@@ -445,58 +445,158 @@ def _st_bool(base, i, v):
     st8(base, i, np.uint8(1) if v else np.uint8(0))
 
 
-@jit(signature="void(int64[::1], int64, int64)")
-def write_batch(tb, R, a_state):
-    """Pass 2 of the batch, once the step is applied: the batch's arrays in
-    batch order, its scalars, and a new list of the ids in batch order, put
-    into the table's holder list (which releases the previous one)."""
-    a_b = tb[TB_BATCH]
+@jit(inline="always")
+def _write_position(a_b, a_idx, a_bb, a_state, R, p, row, v, d):
+    """Batch position p's outputs from its row's state after the step;
+    returns (prefilling, runs as a decode)."""
+    pl = ld32(a_state, F_PREFILL * R + row)
+    ncpt = ld32(a_state, F_NCPT * R + row)
+    st32(a_b, B_NUM_SCHED * R + p, v)
+    st32(a_b, B_DRAFTS * R + p, d)
+    st32(a_b, B_PREFILL * R + p, pl)
+    st32(a_b, B_NCPT * R + p, ncpt)
+    st32(a_b, B_MAXSEQ * R + p, ld32(a_state, F_MAXSEQ * R + row))
+    st64(a_idx, p, row)
+    prefilling = ncpt < pl
+    # one new prompt token over existing context runs as a decode
+    as_decode = prefilling and v - d == 1 and ncpt > 0
+    _st_bool(a_bb, BB_PREFILLING * R + p, prefilling)
+    _st_bool(a_bb, BB_RUNS_AS_DECODE * R + p, as_decode)
+    return prefilling, as_decode
+
+
+@jit(signature="void(int64[::1], int64, int64, int64, int64, int64, boolean)")
+def _publish(tb, R, n, has_prefill, graph_ok, max_query, in_order):
+    """A new list of the batch's ids (``BO_KEYS`` through ``B_PERM``, or in
+    order) into the table's holder list, which releases the previous one;
+    then the batch's scalars, the size last (the Python side reads it)."""
     a_bo = tb[TB_BATCH_OBJ]
-    a_idx = tb[TB_BATCH_IDX]
-    a_bb = tb[TB_BATCH_BOOL]
-    n = tb[TB_B_NEXT_N]
-    O_PERM = B_PERM * R
-    O_ROW = B_POS_ROW * R
-    O_NUM = B_POS_NUM * R
-    O_DR = B_POS_DRAFTS * R
-    O_KEYS = BO_KEYS * R
+    a_b = tb[TB_BATCH]
     lst = list_new(n)
     if lst == 0:  # out of memory: no batch this step (the Python side raises)
         err_clear()
         tb[TB_B_N] = -2
         return
     i_lst = load_i64(lst + OFF_ITEMS)
+    for p in range(n):
+        q = p if in_order else ld32(a_b, B_PERM * R + p)
+        k = ld64(a_bo, BO_KEYS * R + q)
+        incref(k)
+        st64(i_lst, p, k)
+    list_set_item(tb[TB_B_HOLDER], 0, lst)  # steals lst
+    tb[TB_B_MAX_QUERY] = max_query
+    tb[TB_B_HAS_PREFILL] = has_prefill
+    tb[TB_B_GRAPH_OK] = graph_ok
+    tb[TB_B_N] = n
+
+
+@jit(signature="void(int64[::1], int64, int64)")
+def write_batch(tb, R, a_state):
+    """Pass 2 of the batch, once the step is applied: the batch's arrays in
+    batch order, its scalars and its list of ids (``_publish``)."""
+    a_b = tb[TB_BATCH]
+    a_idx = tb[TB_BATCH_IDX]
+    a_bb = tb[TB_BATCH_BOOL]
+    n = tb[TB_B_NEXT_N]
     has_prefill = 0
     graph_ok = 1
     max_query = 0
     for p in range(n):
-        q = ld32(a_b, O_PERM + p)
-        row = ld32(a_b, O_ROW + q)
-        v = ld32(a_b, O_NUM + q)
-        d = ld32(a_b, O_DR + q)
-        pl = ld32(a_state, F_PREFILL * R + row)
-        ncpt = ld32(a_state, F_NCPT * R + row)
-        st32(a_b, B_NUM_SCHED * R + p, v)
-        st32(a_b, B_DRAFTS * R + p, d)
-        st32(a_b, B_PREFILL * R + p, pl)
-        st32(a_b, B_NCPT * R + p, ncpt)
-        st32(a_b, B_MAXSEQ * R + p, ld32(a_state, F_MAXSEQ * R + row))
-        st64(a_idx, p, row)
-        prefilling = ncpt < pl
-        # one new prompt token over existing context runs as a decode
-        as_decode = prefilling and v - d == 1 and ncpt > 0
-        _st_bool(a_bb, BB_PREFILLING * R + p, prefilling)
-        _st_bool(a_bb, BB_RUNS_AS_DECODE * R + p, as_decode)
+        q = ld32(a_b, B_PERM * R + p)
+        v = ld32(a_b, B_POS_NUM * R + q)
+        prefilling, as_decode = _write_position(
+            a_b, a_idx, a_bb, a_state, R, p, ld32(a_b, B_POS_ROW * R + q), v, ld32(a_b, B_POS_DRAFTS * R + q)
+        )
         if prefilling:
             has_prefill = 1
             if not as_decode:
                 graph_ok = 0
         max_query = max(max_query, v)
-        k = ld64(a_bo, O_KEYS + q)
-        incref(k)
-        st64(i_lst, p, k)
-    list_set_item(tb[TB_B_HOLDER], 0, lst)  # steals lst; releases the previous list
-    tb[TB_B_N] = n
+    _publish(tb, R, n, has_prefill, graph_ok, max_query, False)
+
+
+@jit(
+    signature="boolean(int64[::1], UniTuple(int64, 10), int64, int64, int64, int64, int64, int64, int64, int64, int64)"
+)
+def steady_batch(tb, tp, dict_ok, R, nst, spec, total, i_cid, nc, a_res, a_state):
+    """The batch of an update-only step in one pass, after its update: when
+    ``num_scheduled_tokens`` (and ``scheduled_spec_decode_tokens``) list
+    exactly the cached ids in order, as the same objects, all in one
+    decode/verify class (no sort), read in place. Returns False, having
+    written only batch outputs, for anything else: then ``resolve_batch``
+    and ``write_batch`` (which validate and report) run instead."""
+    n = load_i64(nst + DICT_MA_USED)
+    if n != nc or dict_ok == 0:
+        return False
+    direct, base, stride, nent = _dict_open(nst, dict_ok)
+    if direct == 0:
+        return False
+    ns = load_i64(spec + DICT_MA_USED) if spec != 0 else 0
+    sbase = 0
+    sstride = 0
+    snent = 0
+    if ns != 0:
+        if ns != n:
+            return False
+        sdirect, sbase, sstride, snent = _dict_open(spec, dict_ok)
+        if sdirect == 0:
+            return False
+    a_b = tb[TB_BATCH]
+    a_bo = tb[TB_BATCH_OBJ]
+    a_idx = tb[TB_BATCH_IDX]
+    a_bb = tb[TB_BATCH_BOOL]
+    dql = tb[TB_DQL]
+    sum_tokens = np.int64(0)
+    cls0 = -1
+    has_prefill = 0
+    graph_ok = 1
+    max_query = 0
+    pos = 0
+    spos = 0
+    for i in range(n):
+        found, pos, k, val = _dict_item(nst, 1, base, stride, nent, pos)
+        if found == 0 or k != _item(i_cid, i):
+            return False
+        v, st = _int_of(val, tp)
+        if st != OK or v < 0 or v > INT32_MAX:
+            return False
+        d = 0
+        if ns != 0:
+            found, spos, k2, val2 = _dict_item(spec, 1, sbase, sstride, snent, spos)
+            if found == 0 or k2 != k:
+                return False
+            t = load_i64(val2 + OFF_TYPE)
+            if t != tp[0] and t != tp[1]:
+                return False
+            d = min(load_i64(val2 + OFF_SIZE), INT32_MAX)
+        cls = (2 if d == 0 else 0) + (1 if v != dql else 0)
+        if cls != cls0:
+            if cls0 >= 0 or (cls != 0 and cls != 2):
+                return False  # more than one class, or extends/prefills: sorted by the two phases
+            cls0 = cls
+        prefilling, as_decode = _write_position(a_b, a_idx, a_bb, a_state, R, i, ld32(a_res, i), v, d)
+        if prefilling:
+            has_prefill = 1
+            if not as_decode:
+                graph_ok = 0
+        max_query = max(max_query, v)
+        st64(a_bo, BO_KEYS * R + i, k)
+        sum_tokens += v
+    if total != 0:
+        t_total, st = _int_of(total, tp)
+        if st != OK or t_total != sum_tokens:
+            return False
+    tb[TB_B_HAS_DRAFTS] = 1 if ns != 0 else 0
+    tb[TB_B_NUM_TOKENS] = sum_tokens
+    tb[TB_B_NEXT_N] = n
     tb[TB_B_MAX_QUERY] = max_query
     tb[TB_B_HAS_PREFILL] = has_prefill
     tb[TB_B_GRAPH_OK] = graph_ok
+    return True
+
+
+@jit(signature="void(int64[::1], int64)")
+def publish_steady_batch(tb, R):
+    """The list and size of a batch ``steady_batch`` built, once the step is
+    committed."""
+    _publish(tb, R, tb[TB_B_NEXT_N], tb[TB_B_HAS_PREFILL], tb[TB_B_GRAPH_OK], tb[TB_B_MAX_QUERY], True)

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from mtpstate._kernels.batch import resolve_batch, write_batch
+from mtpstate._kernels.batch import publish_steady_batch, resolve_batch, steady_batch, write_batch
 from mtpstate._kernels.index import (
     E_BLOCK_OVERFLOW,
     E_BLOCK_VALUE,
@@ -615,7 +615,10 @@ def _update_only(ixc, tbc, cid, cnct_kind, cnct, cnct_n, cblk, nst, spec, total)
     if staging and ns + nstage_blocks > stg_cap:
         _undo_update(a_state, a_scr, a_prev_row if sync else a_prev_row_next, R, nc)
         return _err(tb, E_STAGE_FULL, -1, ns + nstage_blocks, 0, FLD_NONE)
+    steady = False
     if nst != 0:
+        steady = steady_batch(tb, tp, ix[IX_DICT_OK], R, nst, spec, total, i_cid, nc, a_res, a_state)
+    if nst != 0 and not steady:
         st = resolve_batch(
             tb,
             tp,
@@ -663,7 +666,9 @@ def _update_only(ixc, tbc, cid, cnct_kind, cnct, cnct_n, cblk, nst, spec, total)
         _commit_prediction(tb, a_scr, R, stamp, nc, hits, nmiss, a_prev_obj, prev_n, a_prev_obj_next)
     tb[TB_RES_NC] = nc
     tb[TB_STG_N] = ns
-    if nst != 0:
+    if steady:
+        publish_steady_batch(tb, R)
+    elif nst != 0:
         write_batch(tb, R, a_state)
     return OK
 
