@@ -434,8 +434,7 @@ def tb_apply(ixc, tbc, args):
     flat list of new-request descriptors (``N_*``), the cached requests'
     req_ids, num_computed_tokens (as an int vector: kind, address, length),
     new_block_ids and resumed ids, and for the batch num_scheduled_tokens,
-    list(num_scheduled_tokens), scheduled_spec_decode_tokens and
-    total_num_scheduled_tokens. Returns OK or an error status (detail in the
+    scheduled_spec_decode_tokens and total_num_scheduled_tokens. Returns OK or an error status (detail in the
     context)."""
     tb = view_i64(tbc, TB_SIZE)
     ix = view_i64(ixc, IX_SIZE)
