@@ -178,17 +178,7 @@ def _same_key(a, b, allow, tp):
     return sa == OK and sb == OK and _raw_equal(pa, na, pb, nb)
 
 
-@jit
-def _int64_heapsort(a, lo, n):
-    """Sort a[lo:lo + n] ascending in place (keys are distinct)."""
-    for start in range(n // 2 - 1, -1, -1):
-        _sift64(a, lo, start, n)
-    for end in range(n - 1, 0, -1):
-        a[lo], a[lo + end] = a[lo + end], a[lo]
-        _sift64(a, lo, 0, end)
-
-
-@jit
+@jit(signature="void(int64[::1], int64, int64, int64)")
 def _sift64(a, lo, i, n):
     v = a[lo + i]
     while True:
@@ -202,6 +192,16 @@ def _sift64(a, lo, i, n):
         a[lo + i] = a[lo + c]
         i = c
     a[lo + i] = v
+
+
+@jit(signature="void(int64[::1], int64, int64)")
+def _int64_heapsort(a, lo, n):
+    """Sort a[lo:lo + n] ascending in place (keys are distinct)."""
+    for start in range(n // 2 - 1, -1, -1):
+        _sift64(a, lo, start, n)
+    for end in range(n - 1, 0, -1):
+        a[lo], a[lo + end] = a[lo + end], a[lo]
+        _sift64(a, lo, 0, end)
 
 
 # explicit signatures: called from three sites, some with literal zeros,

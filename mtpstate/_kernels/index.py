@@ -413,7 +413,7 @@ def _write_key(ctx, keys, kw, key_len, row_hash, row, ptr, n, h):
     row_hash[row] = h
 
 
-@jit
+@jit(signature="int64(int64[::1], int64)")
 def _arena_short(ctx, need_words):
     """Words missing in the arena for ``need_words`` more (0: room enough)."""
     return max(0, ctx[IX_ARENA_TOP] + need_words - ctx[IX_ARENA_CAP])

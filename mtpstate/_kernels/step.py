@@ -236,7 +236,7 @@ def _prediction_buffers(tb, R, cur):
     )
 
 
-@jit
+@jit(signature="void(int64[::1], int64, int64, int64, int64, int64, int64, int64, int64, int64)")
 def _commit_prediction(tb, a_scr, R, stamp, nc, hits, nmiss, a_prev_obj, prev_n, a_prev_obj_next):
     """Make the next prediction buffer current, with references.
 
@@ -420,7 +420,7 @@ def _seen_in_this_update(a_rpp_next, a_prev_row_next, row, i):
     return 0 <= p < i and ld32(a_prev_row_next, p) == row
 
 
-@jit
+@jit(signature="int64(int64, int64, int64)")
 def _arg(items, i, none):
     """Object address of slot i of the argument tuple; 0 for None."""
     o = _item(items, i)
