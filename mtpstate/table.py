@@ -743,6 +743,8 @@ class RequestTable:
             cnct = cached.num_computed_tokens
             cblk = cached.new_block_ids
             cres = getattr(cached, "resumed_req_ids", None)
+        except StateError:
+            raise  # (a re-entrant call from a property)
         except Exception as e:
             raise InvalidStepError(f"scheduled_cached_reqs: {e!r}") from None
         return cid, cnct, cblk, cres
@@ -1040,18 +1042,8 @@ class RequestTable:
             raise
         except Exception as e:
             raise InvalidStepError(f"not a scheduler output: {e!r}") from None
-        if cached is None:
-            raise InvalidStepError("scheduled_cached_reqs is None")
-        try:
-            cid = cached.req_ids
-            cnct = cached.num_computed_tokens
-            cblk = cached.new_block_ids
-            cres = getattr(cached, "resumed_req_ids", None)
-        except StateError:
-            raise
-        except Exception as e:
-            raise InvalidStepError(f"scheduled_cached_reqs: {e!r}") from None
-        cfields = (cid, cnct, cblk, cres)
+        cfields = self._read_cached(cached)
+        cid, cnct, cblk, cres = cfields
         # the steady state of decoding (nothing finished or added, exact
         # lists and dicts): the kernel's arguments straight from the step
         tf, tp, tn = type(fin), type(pre), type(new)
@@ -1070,18 +1062,17 @@ class RequestTable:
                 and type(cblk) is list
                 and (cres is None or ((tr is set or tr is frozenset or tr is list or tr is tuple) and not cres))
             ):
-                if batch is None:
-                    args = (None, None, None, cid, 0, id(cnct), 0, cblk, None, None, None, None)
-                else:
+                nst = spec = total = None
+                exact = True
+                if batch is not None:
                     nst, spec, total = batch
-                    args = None
-                    if (
+                    exact = (
                         type(nst) is dict
                         and (spec is None or type(spec) is dict)
                         and (total is None or type(total) is int)
-                    ):
-                        args = (None, None, None, cid, 0, id(cnct), 0, cblk, None, nst, spec, total)
-                if args is not None and tb_apply(self._ix_addr, self._tb_addr, id(args)) == K.OK:
+                    )
+                args = (None, None, None, cid, 0, id(cnct), 0, cblk, None, nst, spec, total)  # the A_* slots
+                if exact and tb_apply(self._ix_addr, self._tb_addr, id(args)) == K.OK:
                     if batch is not None:
                         self._check_batch()
                     return self._result

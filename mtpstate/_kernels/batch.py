@@ -49,6 +49,10 @@ from mtpstate._kernels.native import (
     DICT_MA_KEYS,
     DICT_MA_USED,
     DICT_MA_VALUES,
+    DK_INDICES,
+    DK_KIND,
+    DK_LOG2_INDEX_BYTES,
+    DK_NENTRIES,
     OFF_ITEMS,
     OFF_SIZE,
     OFF_TYPE,
@@ -108,29 +112,13 @@ from mtpstate._kernels.slots import (
 
 
 @jit
-def _row_of_key(
-    ptr,
-    klen,
-    ix_slots,
-    mask,
-    keys,
-    kw,
-    seed,
-    hmask,
-    new_tab,
-    ntab_mask,
-    new_hash,
-    new_ptr,
-    new_len,
-    nn,
-    a_rows_n,
-    a_scr,
-    R,
-    stamp,
-    nfreed,
-):
+def _row_of_key(ptr, klen, lookup):
     """Row an id will have once the step is applied, or -1: added by this
-    step (its new row), else live before it and not freed by it."""
+    step (its new row), else live before it and not freed by it. ``lookup``:
+    the index arrays, this step's new-id table and its freed-row stamps, as
+    ``resolve_batch`` packs them."""
+    (ix_slots, mask, keys, kw, seed, hmask, new_tab, ntab_mask, new_hash, new_ptr, new_len, nn, a_rows_n, a_scr, R,
+     stamp, nfreed) = lookup  # fmt: skip
     h = _hash_key(ptr, klen, seed, hmask)
     if nn > 0:
         k = _table_find(new_tab, ntab_mask, new_hash, new_ptr, new_len, h, ptr, klen)
@@ -149,10 +137,11 @@ def _dict_open(d, dict_ok):
     the table is combined; otherwise (0, ...) and PyDict_Next is used."""
     if dict_ok != 0 and load_i64(d + DICT_MA_VALUES) == 0:
         dk = load_i64(d + DICT_MA_KEYS)
-        kind = load_u8(dk + 10)
+        kind = load_u8(dk + DK_KIND)
         if kind == 0 or kind == 1:
             stride = 16 if kind == 1 else 24
-            return 1, dk + 32 + (np.int64(1) << np.int64(load_u8(dk + 9))), stride, load_i64(dk + 24)
+            entries = dk + DK_INDICES + (np.int64(1) << np.int64(load_u8(dk + DK_LOG2_INDEX_BYTES)))
+            return 1, entries, stride, load_i64(dk + DK_NENTRIES)
     return 0, 0, 0, 0
 
 
@@ -249,6 +238,8 @@ def resolve_batch(
     scratch. ``nst``/``spec``: exact dicts (``spec`` 0 when absent), read
     only here, once, under the GIL; ``total``: the int object of
     ``total_num_scheduled_tokens`` or 0. Returns a status."""
+    lookup = (ix_slots, mask, keys, kw, seed, hmask, new_tab, ntab_mask, new_hash, new_ptr, new_len, nn, a_rows_n,
+              a_scr, R, stamp, nfreed)  # fmt: skip
     a_b = tb[TB_BATCH]
     a_bo = tb[TB_BATCH_OBJ]
     dql = tb[TB_DQL]
@@ -294,27 +285,7 @@ def resolve_batch(
             if e != 0 and _same_key(e, k, allow, tp):
                 row = erow
             else:
-                row = _row_of_key(
-                    ptr,
-                    klen,
-                    ix_slots,
-                    mask,
-                    keys,
-                    kw,
-                    seed,
-                    hmask,
-                    new_tab,
-                    ntab_mask,
-                    new_hash,
-                    new_ptr,
-                    new_len,
-                    nn,
-                    a_rows_n,
-                    a_scr,
-                    R,
-                    stamp,
-                    nfreed,
-                )
+                row = _row_of_key(ptr, klen, lookup)
             if row < 0:
                 return _err(tb, E_UNKNOWN, i, 0, PH_BATCH, FLD_REQ_ID)
         if ld32(a_b, O_STAMP + row) == bstamp:
@@ -357,27 +328,7 @@ def resolve_batch(
                 if c < n and _same_key(ld64(a_bo, O_KEYS + c), k, allow, tp):
                     p = c
                 else:
-                    row = _row_of_key(
-                        ptr,
-                        klen,
-                        ix_slots,
-                        mask,
-                        keys,
-                        kw,
-                        seed,
-                        hmask,
-                        new_tab,
-                        ntab_mask,
-                        new_hash,
-                        new_ptr,
-                        new_len,
-                        nn,
-                        a_rows_n,
-                        a_scr,
-                        R,
-                        stamp,
-                        nfreed,
-                    )
+                    row = _row_of_key(ptr, klen, lookup)
                     if row >= 0 and ld32(a_b, O_STAMP + row) == bstamp:
                         p = ld32(a_b, O_RPOS + row)
             # an entry for an id that is not scheduled is ignored, as vLLM does

@@ -1,4 +1,5 @@
-"""numba kernels: the request-id hash index and the batched scheduler step.
+"""numba kernels of the request-id -> row hash index, and the primitives on
+ids, ints and lists the step kernels share (status codes, phases, fields).
 
 Private. The Python API (``index.py``, ``table.py``) launches these with
 integer arguments only: addresses of Python objects (``id(obj)``, kept alive by
@@ -61,7 +62,7 @@ E_MAX_TOKENS = 16
 E_LENGTHS = 17
 E_INT_RANGE = 18  # an int outside int64 (or outside what its field allows)
 E_ID_TOO_LONG = 19  # a request id longer than max_id_bytes
-E_CHANGED = 20  # a dict changed between the Python side's read and the kernel's
+E_CHANGED = 20  # a dict's item count disagrees with its items (defensive: the GIL is held)
 E_COUNT_VALUE = 21  # a scheduled-token count outside [0, 2**31)
 E_TOTAL = 22  # total_num_scheduled_tokens differs from the sum of the counts
 E_BATCH_SIZE = 23  # more scheduled requests than rows

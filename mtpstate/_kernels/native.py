@@ -465,6 +465,12 @@ dict_next = _pick(_py_dict_next, lambda: _capi_dict_next)
 DICT_MA_USED = 16  # the number of items (every CPython 3)
 DICT_MA_KEYS = 32
 DICT_MA_VALUES = 40
+# the keys object: uint8 dk_log2_index_bytes and dk_kind (0 general, 1 all
+# str keys), Py_ssize_t dk_nentries, then the index array and the entries
+DK_LOG2_INDEX_BYTES = 9
+DK_KIND = 10
+DK_NENTRIES = 24
+DK_INDICES = 32
 
 
 def _probe_dict_layout() -> int:
@@ -484,13 +490,13 @@ def _probe_dict_layout() -> int:
             if _py_load_i64(id(d) + DICT_MA_VALUES) != 0:
                 return 0
             dk = _py_load_i64(id(d) + DICT_MA_KEYS)
-            kind = _py_load_u8(dk + 10)
+            kind = _py_load_u8(dk + DK_KIND)
             if kind not in (0, 1) or kind != (1 if all(type(k) is str for k in keys) else 0):
                 return 0
             stride = 16 if kind == 1 else 24
-            base = dk + 32 + (1 << _py_load_u8(dk + 9))
+            base = dk + DK_INDICES + (1 << _py_load_u8(dk + DK_LOG2_INDEX_BYTES))
             got = []
-            for j in range(_py_load_i64(dk + 24)):
+            for j in range(_py_load_i64(dk + DK_NENTRIES)):
                 k = _py_load_i64(base + stride * j + stride - 16)
                 v = _py_load_i64(base + stride * j + stride - 8)
                 if v:

@@ -500,8 +500,6 @@ def _update_only(ixc, tbc, cid, cnct_kind, cnct, cnct_n, cblk, nst, spec, total)
     a_stg_val = tb[TB_STG_VAL]
     stamp = tb[TB_STAMP] + 1
     tb[TB_STAMP] = stamp
-    empty_i64 = np.empty(0, np.int64)
-    empty_u64 = np.empty(0, np.uint64)
     if cid == 0:  # (finish() / add() with nothing to do: apply always passes the cached list)
         return OK
     O_NCT = S_NCT * R
@@ -618,6 +616,8 @@ def _update_only(ixc, tbc, cid, cnct_kind, cnct, cnct_n, cblk, nst, spec, total)
     if nst != 0:
         steady = steady_batch(tb, tp, ix[IX_DICT_OK], R, nst, spec, total, i_cid, nc, a_res, a_state)
     if nst != 0 and not steady:
+        empty_i64 = np.empty(0, np.int64)  # (no new ids in this step)
+        empty_u64 = np.empty(0, np.uint64)
         st = resolve_batch(
             tb,
             tp,
