@@ -220,7 +220,7 @@ WORKLOADS = {
 # (arrivals and finishes every step), MTP k=3
 BENCH_WORKLOADS = {
     w.name: w
-    for n in (256, 1024)
+    for n in (1, 256, 1024)
     for w in (
         Workload(
             f"steady-{n}",
@@ -242,7 +242,7 @@ BENCH_WORKLOADS = {
             num_spec=3,
             max_num_seqs=n,
             max_num_batched_tokens=16384,
-            arrivals=n / 24,
+            arrivals=max(n / 24, 0.5),
             initial=n,
             prompt_len=(8, 200),
             max_tokens=(10, 80),
@@ -731,7 +731,6 @@ def _bench(w, model_dir, repeats, patched):
     import mtpstate
 
     drv = Driver(w, model_dir)
-    _BLOCK_SIZES[w.name] = drv.block_sizes
     steps = list(drv.steps())
     blobs = [pickle.dumps(so) for so in steps]
     timed = [not w.name.startswith("steady") or _quiet(so) for so in steps]
@@ -767,7 +766,7 @@ def _bench(w, model_dir, repeats, patched):
                 running.append(len(s1.num_scheduled_tokens))
     ratios = np.array(t_ref) / np.array(t_ours)
     n_med = statistics.median(running)
-    ops = _torch_op_counts(w, blobs, timed, patched) if patched else None
+    ops = _torch_op_counts(w, drv.block_sizes, blobs, timed) if patched else None
     return {
         "workload": w.name,
         "subject": "patched runner (mtpstate on)" if patched else "RequestTable.apply(so).batch",
@@ -787,7 +786,7 @@ def _bench(w, model_dir, repeats, patched):
     }
 
 
-def _torch_op_counts(w, blobs, timed, patched) -> dict:
+def _torch_op_counts(w, block_sizes, blobs, timed) -> dict:
     """torch operator calls per step (a TorchDispatchMode counter, in a pass
     of its own: counting slows the calls) on each side, over the timed part
     (finish .. update, apply_staged_writes, gather_batch_req_state): on a GPU
@@ -804,15 +803,11 @@ def _torch_op_counts(w, blobs, timed, patched) -> dict:
 
     out = {}
     for side, on in (("vllm", False), ("mtpstate", True)):
-        ref = None
+        args = (w.max_num_seqs, w.max_model_len, w.max_num_batched_tokens, block_sizes, w.num_spec)
+        ref = MRV2Reference(*args, use_mtpstate=on)
         counts = {"with_new": [], "without_new": []}
         for b, keep in zip(blobs, timed):
             so = pickle.loads(b)
-            if ref is None:
-                ref = MRV2Reference(
-                    w.max_num_seqs, w.max_model_len, w.max_num_batched_tokens, _BLOCK_SIZES[w.name], w.num_spec,
-                    use_mtpstate=on,
-                )  # fmt: skip
             Count.n = 0
             with Count():
                 ref.apply(so)
@@ -822,9 +817,6 @@ def _torch_op_counts(w, blobs, timed, patched) -> dict:
         out[side] = {k: (statistics.median(v) if v else None) for k, v in counts.items()}
         out[side]["max"] = max(counts["with_new"] + counts["without_new"])
     return out
-
-
-_BLOCK_SIZES: dict = {}
 
 
 def main(argv=None) -> int:
