@@ -728,10 +728,6 @@ class RequestTable:
 
     # -- internals ---------------------------------------------------------
 
-    def _check_batch(self) -> None:
-        if self._ctx[T.TB_B_N] == -2:
-            raise MemoryError("mtpstate: no memory for the batch's req_ids list (the step itself was applied)")
-
     @staticmethod
     def _read_cached(cached) -> tuple:
         """(req_ids, num_computed_tokens, new_block_ids, resumed_req_ids) of
@@ -871,6 +867,24 @@ class RequestTable:
         keep.append((b.fin, b.pre, b.cid, b.cnct, b.cblk, b.cres, b.nst, b.spec))
         self._describe_new(b)
 
+    def _run_kernel(self, args: tuple) -> int:
+        """One launch of the step kernel on its argument tuple, inside a
+        staging step of the device mirror when there is one (shipped when the
+        kernel accepts the step, closed unshipped otherwise). Returns the
+        kernel's status."""
+        mirror = self._mirror
+        if mirror is not None:
+            mirror.begin_step()
+        status = tb_apply(self._ix_addr, self._tb_addr, id(args))
+        if mirror is not None:
+            if status == K.OK:
+                mirror.end_step(int(self._ctx[T.TB_STG_N]), deduplicate=bool(self._ctx[T.TB_STG_DUPS]))
+            else:
+                mirror.abort_step()
+        if status == K.OK and self._ctx[T.TB_B_N] == -2:
+            raise MemoryError("mtpstate: no memory for the batch's req_ids list (the step itself was applied)")
+        return status
+
     def _launch(self, b: _Step) -> None:
         """Run the step kernel on a bound step; handle the retry statuses
         (grow key storage or staging, the generic path); raise on bad input.
@@ -882,14 +896,8 @@ class RequestTable:
         ixc = self._index._ctx
         try:
             while True:
-                if mirror is not None:
-                    mirror.begin_step()
-                args = b.args()
-                status = tb_apply(self._ix_addr, self._tb_addr, id(args))
+                status = self._run_kernel(b.args())
                 if status == K.OK:
-                    if mirror is not None:
-                        mirror.end_step(int(self._ctx[T.TB_STG_N]), deduplicate=bool(self._ctx[T.TB_STG_DUPS]))
-                    self._check_batch()
                     if b.fin is not None or b.pre is not None or b.new:
                         self._index._maybe_shrink_arena()  # rows were freed
                     return
@@ -1048,8 +1056,7 @@ class RequestTable:
         # lists and dicts): the kernel's arguments straight from the step
         tf, tp, tn = type(fin), type(pre), type(new)
         if (
-            self._mirror is None
-            and (tf is set or tf is frozenset or tf is list or tf is tuple)
+            (tf is set or tf is frozenset or tf is list or tf is tuple)
             and not fin
             and (pre is None or ((tp is set or tp is frozenset or tp is list or tp is tuple) and not pre))
             and (tn is list or tn is tuple)
@@ -1072,9 +1079,7 @@ class RequestTable:
                         and (total is None or type(total) is int)
                     )
                 args = (None, None, None, cid, 0, id(cnct), 0, cblk, None, nst, spec, total)  # the A_* slots
-                if exact and tb_apply(self._ix_addr, self._tb_addr, id(args)) == K.OK:
-                    if batch is not None:
-                        self._check_batch()
+                if exact and self._run_kernel(args) == K.OK:
                     return self._result
                 # anything else: the general handling (the kernel changed nothing)
         self._launch(self._bind(fin, pre, new, cfields, batch))
