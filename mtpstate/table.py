@@ -881,9 +881,11 @@ class RequestTable:
                 mirror.end_step(int(self._ctx[T.TB_STG_N]), deduplicate=bool(self._ctx[T.TB_STG_DUPS]))
             else:
                 mirror.abort_step()
-        if status == K.OK and self._ctx[T.TB_B_N] == -2:
-            raise MemoryError("mtpstate: no memory for the batch's req_ids list (the step itself was applied)")
         return status
+
+    def _check_batch(self) -> None:
+        if self._ctx[T.TB_B_N] == -2:
+            raise MemoryError("mtpstate: no memory for the batch's req_ids list (the step itself was applied)")
 
     def _launch(self, b: _Step) -> None:
         """Run the step kernel on a bound step; handle the retry statuses
@@ -898,6 +900,7 @@ class RequestTable:
             while True:
                 status = self._run_kernel(b.args())
                 if status == K.OK:
+                    self._check_batch()
                     if b.fin is not None or b.pre is not None or b.new:
                         self._index._maybe_shrink_arena()  # rows were freed
                     return
@@ -1079,8 +1082,17 @@ class RequestTable:
                         and (total is None or type(total) is int)
                     )
                 args = (None, None, None, cid, 0, id(cnct), 0, cblk, None, nst, spec, total)  # the A_* slots
-                if exact and self._run_kernel(args) == K.OK:
-                    return self._result
+                if exact:
+                    # (no mirror: the kernel alone, the cheapest call at N = 1)
+                    status = (
+                        tb_apply(self._ix_addr, self._tb_addr, id(args))
+                        if self._mirror is None
+                        else self._run_kernel(args)
+                    )
+                    if status == K.OK:
+                        if batch is not None:
+                            self._check_batch()
+                        return self._result
                 # anything else: the general handling (the kernel changed nothing)
         self._launch(self._bind(fin, pre, new, cfields, batch))
         return self._result
