@@ -6,7 +6,10 @@ element they change, as (flat position, value), to a staging slot; ``end_step``
 ships the slot with two ``non_blocking`` copies (positions int64, values
 int32: 12 bytes per changed element) and applies it on the device with one
 scatter into a single flat int32 tensor, of which every device tensor is a
-view. Bytes per step grow with what changed, not with ``max_num_reqs``.
+view (and, when an engine's token tensor is the target of new requests'
+token ids, a second scatter into that tensor, from the same copies). Bytes
+per step grow with what changed, not with ``max_num_reqs``; the number of
+device operations per step does not grow with anything.
 
 Staging slots form a ring (depth = the engine's number of in-flight steps).
 A slot's pinned buffers are refilled only after the CUDA event recorded after
@@ -15,8 +18,8 @@ copy still reads it silently corrupts the device data. The host waits only
 when the ring is full. Pinned memory is used only for CUDA targets (on a
 CPU-only torch build ``pin_memory`` is unavailable, and a ``non_blocking``
 copy from pageable memory would silently be synchronous anyway); on
-``device="cpu"`` the same staging and scatter path runs, which is what CI
-exercises.
+``device="cpu"`` the same staging, the same torch copies and the same scatter
+run (no streams), which is what CI exercises.
 """
 
 from __future__ import annotations
@@ -26,7 +29,18 @@ import numpy as np
 from mtpstate._kernels import step as T
 from mtpstate.errors import StateError
 
-__all__ = ["DeviceMirror"]
+__all__ = ["DeviceMirror", "MIRRORED_FIELDS"]
+
+# host fields the mirror can keep on the device, by state row (num_blocks: the
+# rows F_NB + g); block tables are always mirrored
+_FIELD_ROWS = {
+    "num_computed_tokens": T.F_NCT,
+    "num_computed_prefill_tokens": T.F_NCPT,
+    "prefill_len": T.F_PREFILL,
+    "prompt_len": T.F_PROMPT,
+    "max_seq_len": T.F_MAXSEQ,
+}
+MIRRORED_FIELDS = (*_FIELD_ROWS, "num_blocks")
 
 
 def _torch():
@@ -70,9 +84,38 @@ class DeviceMirror:
         that host tensor.
     staging_capacity : int, optional
         Initial elements per slot; grown on demand.
+    fields : sequence of str, optional
+        Host fields kept on the device (default: all of
+        ``MIRRORED_FIELDS``); a field left out is never staged and its
+        ``device_tensors`` entry is None. Block tables are always mirrored.
+    engine_lengths : bool
+        Also keep ``device_tensors.total_len`` and
+        ``device_tensors.engine_num_computed_tokens`` ([max_num_reqs] int32
+        each): written by the mirror only when a request is added (its
+        prefill length, its num_computed_tokens), as an engine seeds its own
+        device copies, which its device code then advances (vLLM's
+        ``RequestState.total_len`` / ``num_computed_tokens``).
+    token_ids_target : torch.Tensor, optional
+        An engine's ``[max_num_reqs, max_model_len]`` int32 tensor that the
+        device can write (a device tensor, or pinned host memory mapped into
+        the device's address space, as vLLM's UVA ``all_token_ids``): new
+        requests' prefill token ids are scattered into it from the step's
+        copy, in stream order, instead of into a mirrored ``token_ids``
+        (implies ``token_ids_on_device=False``; the table's host
+        ``token_ids`` is then plain host memory).
     """
 
-    def __init__(self, table, device, ring_depth: int = 2, token_ids_on_device: bool = True, staging_capacity=None):
+    def __init__(
+        self,
+        table,
+        device,
+        ring_depth: int = 2,
+        token_ids_on_device: bool = True,
+        staging_capacity=None,
+        fields=None,
+        engine_lengths: bool = False,
+        token_ids_target=None,
+    ):
         torch = _torch()
         self._torch = torch
         self.device = torch.device(device)
@@ -83,10 +126,25 @@ class DeviceMirror:
             raise StateError(f"device {device!r} requested but CUDA is not available")
         self.table = table
         self.ring_depth = ring_depth
-        self.token_ids_on_device = token_ids_on_device
         R, L = table.max_num_reqs, table.max_model_len
+        fields = MIRRORED_FIELDS if fields is None else tuple(fields)
+        unknown = sorted(set(fields) - set(MIRRORED_FIELDS))
+        if unknown:
+            raise ValueError(f"unknown mirrored fields {unknown}; choose from {list(MIRRORED_FIELDS)}")
+        self.fields = fields
+        self.engine_lengths = bool(engine_lengths)
+        self._tok_target = None
+        if token_ids_target is not None:
+            tt = token_ids_target
+            if not isinstance(tt, torch.Tensor) or tt.dtype != torch.int32 or tuple(tt.shape) != (R, L):
+                raise ValueError(f"token_ids_target must be an int32 tensor of shape ({R}, {L})")
+            if not tt.is_contiguous() or tt.device.type != self.device.type:
+                raise ValueError(f"token_ids_target must be contiguous and addressable from {self.device}")
+            self._tok_target = tt.view(-1)
+            token_ids_on_device = False
+        self.token_ids_on_device = token_ids_on_device
         self._host_tok_tensor = None
-        if not token_ids_on_device:
+        if not token_ids_on_device and token_ids_target is None:
             self._host_tok_tensor = torch.zeros((R, L), dtype=torch.int32, pin_memory=self.is_cuda)
         cap = staging_capacity or max(1024, 4 * R)
         self._slots = [_Slot(torch, cap, self.is_cuda) for _ in range(ring_depth)]
@@ -94,6 +152,7 @@ class DeviceMirror:
         self._open = None
         self._stream = torch.cuda.Stream(device=self.device) if self.is_cuda else None
         self._last = {"bytes": 0, "copies": 0}
+        self._rows_rings = {}
 
     # the table asks for this before it allocates its own token_ids
     @property
@@ -112,23 +171,50 @@ class DeviceMirror:
             offsets.append(off)
             off += R * w
         t._flat_bt[:] = offsets
+        eng_off = -1
+        if self.engine_lengths:
+            eng_off = off
+            off += T.ENG_ROWS * R
         tok_off = -1
         if self.token_ids_on_device:
             tok_off = off
             off += R * L
-        t._ctx[T.TB_FLAT_TOK] = tok_off
+        mask = 0
+        for name in self.fields:
+            rows = range(T.F_NB, T.F_NB + ng) if name == "num_blocks" else (_FIELD_ROWS[name],)
+            for f in rows:
+                mask |= 1 << f
+        ctx = t._ctx
+        ctx[T.TB_FLAT_TOK] = tok_off
+        ctx[T.TB_FLAT_ENG] = eng_off
+        ctx[T.TB_TOK_EXT] = int(self._tok_target is not None)
+        ctx[T.TB_STG_FIELDS] = mask
+        self._field_mask = mask
         self._flat = torch.zeros(off, dtype=torch.int32, device=self.device)  # [total elements]
         host = [t._state.reshape(-1), *(bt.reshape(-1) for bt in t.block_tables)]
+        if self.engine_lengths:
+            host.append(np.zeros(T.ENG_ROWS * R, np.int32))
         if self.token_ids_on_device:
             host.append(t.token_ids.reshape(-1))
         self._flat.copy_(torch.from_numpy(np.concatenate(host)))
         f = self._flat
-        names = ["num_computed_tokens", "num_computed_prefill_tokens", "prefill_len", "prompt_len", "max_seq_len"]
+        per_row = {
+            name: f[row * R : (row + 1) * R] if name in self.fields else None for name, row in _FIELD_ROWS.items()
+        }
+        eng = f[eng_off : eng_off + T.ENG_ROWS * R].view(T.ENG_ROWS, R) if eng_off >= 0 else None
+        if tok_off >= 0:
+            tokens = f[tok_off : tok_off + R * L].view(R, L)
+        elif self._tok_target is not None:
+            tokens = self._tok_target.view(R, L)
+        else:
+            tokens = self._host_tok_tensor
         self.tensors = _Tensors(
-            **{name: f[i * R : (i + 1) * R] for i, name in enumerate(names)},
-            num_blocks=f[T.F_NB * R : (T.F_NB + ng) * R].view(ng, R),
+            **per_row,
+            num_blocks=f[T.F_NB * R : (T.F_NB + ng) * R].view(ng, R) if "num_blocks" in self.fields else None,
             block_tables=[f[o : o + R * w].view(R, w) for o, w in zip(offsets, t.max_num_blocks_per_group)],
-            token_ids=f[tok_off : tok_off + R * L].view(R, L) if tok_off >= 0 else self._host_tok_tensor,
+            token_ids=tokens,
+            total_len=None if eng is None else eng[T.ENG_TOTAL_LEN],
+            engine_num_computed_tokens=None if eng is None else eng[T.ENG_NCT],
         )
         self._alloc_device_buffers(len(self._slots[0].pos))
 
@@ -136,10 +222,6 @@ class DeviceMirror:
         torch = self._torch
         self._dev_pos = torch.empty(cap, dtype=torch.int64, device=self.device)
         self._dev_val = torch.empty(cap, dtype=torch.int32, device=self.device)
-        if not self.is_cuda:  # numpy views of the CPU "device" memory
-            self._dev_pos_np = self._dev_pos.numpy()
-            self._dev_val_np = self._dev_val.numpy()
-            self._flat_np = self._flat.numpy()
 
     # -- per step ------------------------------------------------------------
 
@@ -163,8 +245,9 @@ class DeviceMirror:
             self._open = None
             self.table._ctx[T.TB_STG_ON] = 0
 
-    def end_step(self, n: int, deduplicate: bool = False):
-        """Ship the first ``n`` staged elements of the open slot and scatter
+    def end_step(self, n: int, n_tok: int = 0, deduplicate: bool = False):
+        """Ship the first ``n`` staged elements of the open slot (of which
+        the first ``n_tok`` are token ids for the token target) and scatter
         them into the device tensors; returns without waiting."""
         slot = self._open
         self._open = None
@@ -173,16 +256,14 @@ class DeviceMirror:
         if n == 0:
             self._last = {"bytes": 0, "copies": 0}
             return
-        pos, val = slot.pos[:n], slot.val[:n]
         if deduplicate:  # the same element written twice in one step: keep the last write
-            p = slot.pos_np[:n][::-1]
+            p = slot.pos_np[n_tok:n][::-1]
             _, first = np.unique(p, return_index=True)
-            keep = np.sort(n - 1 - first)
-            m = len(keep)
-            slot.pos_np[:m] = slot.pos_np[keep]
-            slot.val_np[:m] = slot.val_np[keep]
+            keep = n_tok + np.sort(n - n_tok - 1 - first)
+            m = n_tok + len(keep)
+            slot.pos_np[n_tok:m] = slot.pos_np[keep]
+            slot.val_np[n_tok:m] = slot.val_np[keep]
             n = m
-            pos, val = slot.pos[:n], slot.val[:n]
         torch = self._torch
         if self.is_cuda:
             stream = self._stream
@@ -190,28 +271,36 @@ class DeviceMirror:
             # consumer's stream that reads these tensors
             stream.wait_stream(torch.cuda.current_stream(self.device))
             with torch.cuda.stream(stream):
-                dpos = self._dev_pos[:n]
-                dval = self._dev_val[:n]
-                dpos.copy_(pos, non_blocking=True)
-                dval.copy_(val, non_blocking=True)
-                self._flat.index_copy_(0, dpos, dval)
+                self._ship(slot, n, n_tok)
                 slot.event = torch.cuda.Event()
                 slot.event.record(stream)
             # the consumer's later work sees the update, without a host wait
             torch.cuda.current_stream(self.device).wait_stream(stream)
         else:
-            # the same two copies and scatter, done by the host (no stream)
-            dpos = self._dev_pos_np[:n]
-            dval = self._dev_val_np[:n]
-            dpos[:] = slot.pos_np[:n]
-            dval[:] = slot.val_np[:n]
-            self._flat_np[dpos] = dval
+            self._ship(slot, n, n_tok)  # the same torch calls, run by the host
         self._last = {"bytes": n * (8 + 4), "copies": 2}
 
+    def _ship(self, slot, n, n_tok):
+        """The step's device work: two copies, one scatter per target."""
+        dpos = self._dev_pos[:n]
+        dval = self._dev_val[:n]
+        dpos.copy_(slot.pos[:n], non_blocking=True)
+        dval.copy_(slot.val[:n], non_blocking=True)
+        if n > n_tok:
+            self._flat.index_copy_(0, dpos[n_tok:], dval[n_tok:])
+        if n_tok:
+            self._tok_target.index_copy_(0, dpos[:n_tok], dval[:n_tok])
+
     def stage_arrays(self, staged):
-        """Stage changes made outside the kernels (the array entry point)."""
+        """Stage changes made outside the kernels (the array entry point):
+        (flat positions, values) pairs; fields not mirrored are dropped."""
         pos = np.concatenate([np.asarray(p, np.int64) for p, _ in staged])
         val = np.concatenate([np.asarray(v, np.int32) for _, v in staged])
+        nf = T.F_NB + self.table.num_groups
+        # per state row: mirrored or not; past the state (block tables): always
+        mirrored = np.array([(self._field_mask >> f) & 1 for f in range(nf)] + [1], bool)
+        keep = mirrored[np.minimum(pos // self.table.max_num_reqs, nf)]
+        pos, val = pos[keep], val[keep]
         self.begin_step()
         if len(pos) > len(self._open.pos_np):
             self.grow_staging(len(pos))
@@ -230,6 +319,20 @@ class DeviceMirror:
             self._open = None
             self.begin_step()
 
+    def upload_rows(self, rows: np.ndarray, purpose: str = "rows"):
+        """``rows`` (row numbers, e.g. a batch -> row mapping) as an int64
+        tensor on the device, through a ring of persistent pinned buffers
+        per ``purpose`` (no pinned allocation per call): one non-blocking
+        copy on the current stream, each buffer refilled only after its last
+        copy completed. The result is valid until ``ring_depth`` more calls
+        with the same ``purpose``."""
+        ring = self._rows_rings.get(purpose)
+        if ring is None:
+            ring = self._rows_rings[purpose] = _RowsRing(
+                self._torch, self.device, self.table.max_num_reqs, self.ring_depth
+            )
+        return ring.upload(rows)
+
     def synchronize(self):
         for slot in self._slots:
             if slot.event is not None:
@@ -237,9 +340,54 @@ class DeviceMirror:
                 slot.event = None
         if self._stream is not None:
             self._stream.synchronize()
+        for ring in self._rows_rings.values():
+            ring.synchronize()
 
     def stats(self) -> dict:
         return dict(self._last)
+
+
+class _RowsRing:
+    """Pinned host buffers and device buffers for a per-step int64 row
+    mapping, used round robin; an event per buffer guards its refill."""
+
+    def __init__(self, torch, device, capacity, depth):
+        self._torch = torch
+        self.is_cuda = device.type == "cuda"
+        self.host = [torch.empty(capacity, dtype=torch.int64, pin_memory=self.is_cuda) for _ in range(depth)]
+        self.host_np = [h.numpy() for h in self.host]
+        # on a CPU device the host buffers are the result
+        self.dev = (
+            [torch.empty(capacity, dtype=torch.int64, device=device) for _ in range(depth)] if self.is_cuda else None
+        )
+        self.events = [None] * depth
+        self.next = 0
+
+    def upload(self, rows):
+        k = self.next
+        self.next = (k + 1) % len(self.host)
+        n = len(rows)
+        if n > len(self.host_np[k]):
+            raise StateError(f"{n} rows exceed max_num_reqs={len(self.host_np[k])}")
+        ev = self.events[k]
+        if ev is not None:
+            ev.synchronize()  # its last copy may still be reading the buffer
+            self.events[k] = None
+        self.host_np[k][:n] = rows
+        if not self.is_cuda:
+            return self.host[k][:n]
+        out = self.dev[k][:n]
+        out.copy_(self.host[k][:n], non_blocking=True)
+        ev = self._torch.cuda.Event()
+        ev.record()
+        self.events[k] = ev
+        return out
+
+    def synchronize(self):
+        for i, ev in enumerate(self.events):
+            if ev is not None:
+                ev.synchronize()
+                self.events[i] = None
 
 
 class _Tensors:

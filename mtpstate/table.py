@@ -455,6 +455,25 @@ class BatchReqState:
         """Every field by name (arrays still views)."""
         return {f: getattr(self, f) for f in self.FIELDS}
 
+    def copy_arrays(self) -> dict:
+        """The per-request arrays by field name, copied (they outlive the
+        next call): three copies in all, of the int32, bool and index blocks,
+        each field a view of its block. Fields that are None stay None."""
+        n = self._n
+        ints = self._b[: T.B_MAXSEQ + 1, :n].copy()  # [5, n]: the int32 outputs are rows 0..B_MAXSEQ
+        bools = self._bb[:, :n].copy()  # [BB_ROWS, n]
+        has_prefill = self._ctx[T.TB_B_HAS_PREFILL]
+        return {
+            "num_scheduled_tokens": ints[T.B_NUM_SCHED],
+            "num_draft_tokens_np": ints[T.B_DRAFTS] if self._ctx[T.TB_B_HAS_DRAFTS] else None,
+            "idx_mapping_np": self._idx[:n].copy(),
+            "prefill_len_np": ints[T.B_PREFILL],
+            "num_computed_prefill_tokens_np": ints[T.B_NCPT],
+            "max_seq_len_np": ints[T.B_MAXSEQ],
+            "is_prefilling_np": bools[T.BB_PREFILLING],
+            "prefill_runs_as_decode_np": bools[T.BB_RUNS_AS_DECODE] if has_prefill else None,
+        }
+
     def __repr__(self) -> str:
         return f"BatchReqState(num_reqs={self._n}, num_tokens={self.num_tokens}, req_ids={self.req_ids[:4]}...)"
 
@@ -547,7 +566,8 @@ class RequestTable:
         ``"cpu"`` to run the same machinery without a GPU). None: host only.
     mirror_options : dict, optional
         Passed to :class:`mtpstate.mirror.DeviceMirror` (``ring_depth``,
-        ``token_ids_on_device``).
+        ``token_ids_on_device``, ``fields``, ``engine_lengths``,
+        ``token_ids_target``).
     seed : int, optional
         Hash seed of the request index (rows never depend on it).
     max_id_bytes : int
@@ -878,7 +898,8 @@ class RequestTable:
         status = tb_apply(self._ix_addr, self._tb_addr, id(args))
         if mirror is not None:
             if status == K.OK:
-                mirror.end_step(int(self._ctx[T.TB_STG_N]), deduplicate=bool(self._ctx[T.TB_STG_DUPS]))
+                ctx = self._ctx
+                mirror.end_step(int(ctx[T.TB_STG_N]), int(ctx[T.TB_STG_TOK_N]), bool(ctx[T.TB_STG_DUPS]))
             else:
                 mirror.abort_step()
         return status

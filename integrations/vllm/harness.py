@@ -64,6 +64,44 @@ def install_cpu_shims() -> None:
     buffer_utils._apply_write_kernel = _NumpyWriteKernel()
     buffer_utils._num_write_chunks = lambda max_len: 1
 
+    # prepare_inputs / prepare_attn: their Triton kernels are launches on a
+    # GPU (asynchronous, the host only pays the launch); here no-ops on both
+    # sides, everything around them (numpy, torch allocations, copies) real
+    from vllm.triton_utils import triton
+    from vllm.utils.math_utils import next_power_of_2
+    from vllm.v1.worker.gpu import block_table, input_batch
+
+    import vllm.utils.torch_utils as torch_utils
+
+    torch_utils.PIN_MEMORY = False  # async_tensor_h2d: no pinned staging without an accelerator
+    if not hasattr(triton, "next_power_of_2"):  # vLLM's placeholder module (no Triton installed)
+        triton.next_power_of_2 = next_power_of_2
+    for mod, names in ((input_batch, INPUT_KERNELS), (block_table, ATTN_KERNELS)):
+        for name in names:
+            setattr(mod, name, _NoLaunch())
+
+
+# the Triton kernels of prepare_inputs (input_batch.py) and prepare_attn
+# (block_table.py), replaced by no-ops on both sides
+INPUT_KERNELS = (
+    "_prepare_prefill_inputs_kernel",
+    "_prepare_pos_seq_lens_kernel",
+    "_combine_sampled_and_draft_tokens_kernel",
+    "_expand_idx_mapping_kernel",
+)
+ATTN_KERNELS = ("_gather_block_tables_kernel", "_compute_slot_mappings_kernel")
+
+
+class _NoLaunch:
+    """``kernel[grid](...)`` that launches nothing."""
+
+    def __getitem__(self, grid):
+        return _no_launch
+
+
+def _no_launch(*args, **kwargs):
+    return None
+
 
 class _NumpyWriteKernel:
     """``_apply_write_kernel[grid](...)`` of buffer_utils.py, in numpy: write
@@ -215,19 +253,20 @@ WORKLOADS = {
     )
 }
 
+BENCH_SIZES = (1, 16, 256, 1024, 4096)
 # timing only (make bench-vllm): N running, steady decode (a burst, then no
 # arrivals; only steps with nothing added or finished are timed) and busy
 # (arrivals and finishes every step), MTP k=3
 BENCH_WORKLOADS = {
     w.name: w
-    for n in (1, 256, 1024)
+    for n in BENCH_SIZES
     for w in (
         Workload(
             f"steady-{n}",
             steps=60,
             num_spec=3,
             max_num_seqs=n,
-            max_num_batched_tokens=16384,
+            max_num_batched_tokens=max(16384, 8 * n),
             arrivals=0.0,
             initial=n,
             prompt_len=(8, 64),
@@ -241,7 +280,7 @@ BENCH_WORKLOADS = {
             steps=60,
             num_spec=3,
             max_num_seqs=n,
-            max_num_batched_tokens=16384,
+            max_num_batched_tokens=max(16384, 8 * n),
             arrivals=max(n / 24, 0.5),
             initial=n,
             prompt_len=(8, 200),
@@ -326,6 +365,13 @@ class _Null:
         return lambda *a, **k: None
 
 
+class _ModelState(_Null):
+    """The runner's ``model_state`` as ``prepare_inputs`` reads it: one bonus
+    token per step (a plain decoder); its hooks hold nothing compared."""
+
+    num_new_sampled_tokens_per_step = 1
+
+
 class MRV2Reference:
     """The host side of vLLM 0.34's GPUModelRunner for one step: the real
     ``finish_requests``, ``add_requests`` and ``update_requests`` methods,
@@ -344,9 +390,20 @@ class MRV2Reference:
         for name in ("pooling_runner", "speculator", "encoder_cache", "adaptive_verification", "sampler"):
             setattr(self, name, None)
         self.prompt_logprobs_worker = self.pp_handler = self.kv_block_zeroer = None
-        self.model_state = self.lora_state = self.draft_tokens_handler = _Null()
+        self.lora_state = self.draft_tokens_handler = _Null()
+        self.model_state = _ModelState()
         self.is_last_pp_rank = False  # the sampler's per-request state is not compared
         self._runner = GPUModelRunner
+        # what prepare_inputs / prepare_attn read besides the request state
+        from types import SimpleNamespace
+
+        from vllm.v1.worker.gpu.input_batch import InputBuffers
+
+        self.max_num_reqs = max_num_reqs
+        self.device = cpu
+        self.input_buffers = InputBuffers(max_num_reqs, max_num_batched_tokens, cpu)
+        self.fast_prefill = None
+        self.model_config = SimpleNamespace(rswa_window=None)
         # what gather_batch_req_state reads besides the request state
         self.decode_query_len = num_spec + 1
         self.use_pp = False
@@ -373,6 +430,26 @@ class MRV2Reference:
         """vLLM's own ``gather_batch_req_state`` for the step just applied."""
         return self._runner.gather_batch_req_state(self, so, False)[0]
 
+    def prepare(self, so, batch):
+        """The runner's ``prepare_inputs`` and ``prepare_attn`` for the
+        gathered batch (eager, no request padding: ``cudagraph`` dispatch is
+        the same on both sides and is left out). Returns the InputBatch."""
+        from vllm.config.compilation import CUDAGraphMode
+        from vllm.v1.worker.gpu.cudagraph_utils import BatchExecutionDescriptor
+
+        desc = BatchExecutionDescriptor(cg_mode=CUDAGraphMode.NONE, num_tokens=batch.num_tokens, num_reqs=None)
+        ib = self._runner.prepare_inputs(self, so, batch, desc, 0)
+        self._runner.prepare_attn(self, ib)
+        return ib
+
+    def host_step(self, so):
+        """``execute_model``'s host part up to the forward: finish ..
+        update_requests, ``block_tables.apply_staged_writes``,
+        ``gather_batch_req_state``, ``prepare_inputs``, ``prepare_attn``.
+        Returns the InputBatch."""
+        self.apply(so)
+        return self.prepare(so, self.gather(so))
+
     def state(self) -> dict:
         """Per request id: every field the comparison covers."""
         rs, bt = self.req_states, self.block_tables
@@ -392,6 +469,12 @@ class MRV2Reference:
                 "blocks": [tables[g][r, : nb[g]].tolist() for g in range(len(tables))],
                 "prefill_token_ids": tokens[r, :pl].tolist(),
                 "is_prefilling": int(rs.num_computed_prefill_tokens[r]) < pl,
+                # vLLM's device-side tensors, as its kernels would read them
+                "total_len.gpu": int(rs.total_len.gpu[r]),
+                "num_computed_tokens.gpu": int(rs.num_computed_tokens.gpu[r]),
+                "prefill_len.gpu": int(rs.prefill_len.gpu[r]),
+                "prompt_len.gpu": int(rs.prompt_len.gpu[r]),
+                "num_blocks.gpu": [int(bt.num_blocks.gpu[g, r]) for g in range(len(tables))],
             }
         return out
 
@@ -468,6 +551,30 @@ def diff_batches(ref, ref_ids_of_rows, got, got_ids_of_rows) -> list[str]:
         out.append("batch.idx_mapping_np: rows map to other ids")
     if got.idx_mapping_np.dtype != ref.idx_mapping_np.dtype:
         out.append(f"batch.idx_mapping_np dtype {got.idx_mapping_np.dtype}")
+    return out
+
+
+INPUT_FIELDS = ("num_reqs", "num_tokens", "num_draft_tokens", "query_start_loc_np", "cu_num_logits_np")
+
+
+def diff_inputs(ref, ref_ids_of_rows, got, got_ids_of_rows) -> list[str]:
+    """Disagreements between two ``InputBatch``es of ``prepare_inputs``: the
+    host-computed fields, and ``idx_mapping`` (the tensor) through each side's
+    own rows."""
+    out = []
+    for f in INPUT_FIELDS:
+        a, b = getattr(ref, f), getattr(got, f)
+        same = np.array_equal(a, b) if isinstance(a, np.ndarray) else a == b
+        if not same:
+            out.append(f"input_batch.{f}: vLLM {str(a)[:60]} vs {str(b)[:60]}")
+    for f in ("num_computed_tokens_np", "seq_lens_cpu_upper_bound"):
+        a, b = np.asarray(getattr(ref, f)), np.asarray(getattr(got, f))
+        if not np.array_equal(a, b):
+            out.append(f"input_batch.{f}: vLLM {a[:6]} vs {b[:6]}")
+    if ref_ids_of_rows(ref.idx_mapping.tolist()) != got_ids_of_rows(got.idx_mapping.tolist()):
+        out.append("input_batch.idx_mapping: rows map to other ids")
+    if ref.idx_mapping.dtype != got.idx_mapping.dtype:
+        out.append(f"input_batch.idx_mapping dtype {got.idx_mapping.dtype}")
     return out
 
 
@@ -677,8 +784,10 @@ def run_patched(w: Workload, model_dir: str) -> dict:
         rows = patched.mtp.batch_rows(order)
         if [patched.req_states.index_to_req_id[int(r)] for r in rows] != order:
             bad.append("batch_rows: rows do not map back to the batch's ids")
-        if patched.mtp.idx_mapping(order, "cpu").tolist() != rows.tolist():
+        if patched.mtp.idx_mapping(rows).tolist() != rows.tolist():
             bad.append("idx_mapping: the tensor differs from batch_rows")
+        # prepare_inputs' host results (its Triton kernels are no-ops here)
+        bad += diff_inputs(ref.prepare(so, ref.gather(so)), ids_ref, patched.prepare(so2, patched.gather(so2)), ids_pat)
         res["steps"] += 1
         if bad:
             res["disagreements"] += 1
@@ -698,9 +807,8 @@ def bench_workload(w: Workload, model_dir: str, repeats: int = 5, patched: bool 
     the same batch order, each on a freshly unpickled step (as a worker
     process receives it). The batch order (vLLM's ``sort_batch_req_ids``) is
     computed outside the timed region: both sides need it. ``patched``: the
-    subject is the patched runner's own methods with mtpstate on (block
-    tables through the table's mirror, tokens staged into vLLM's tensors,
-    hooks per new request) instead of the bare table."""
+    patched runner with mtpstate on against itself off, over the host part
+    of ``execute_model`` up to the forward (``_bench_runner``)."""
     from vllm.v1.worker.gpu import buffer_utils
 
     # On a GPU the write kernel is an asynchronous launch; its numpy emulation
@@ -708,21 +816,16 @@ def bench_workload(w: Workload, model_dir: str, repeats: int = 5, patched: bool 
     emulated = buffer_utils._apply_write_kernel
     buffer_utils._apply_write_kernel = _NoLaunch()
     try:
-        return _bench(w, model_dir, repeats, patched)
+        return _bench_runner(w, model_dir, repeats) if patched else _bench(w, model_dir, repeats)
     finally:
         buffer_utils._apply_write_kernel = emulated
-
-
-class _NoLaunch:
-    def __getitem__(self, grid):
-        return lambda *args, **kwargs: None
 
 
 def _quiet(so) -> bool:
     return not so.scheduled_new_reqs and not so.finished_req_ids and not so.preempted_req_ids
 
 
-def _bench(w, model_dir, repeats, patched):
+def _bench(w, model_dir, repeats):
     """Per step, interleaved: vLLM (finish/free_states/add/update_requests,
     apply_staged_writes, then gather_batch_req_state) against
     ``RequestTable(decode_query_len=...).apply(so).batch``, and
@@ -742,19 +845,13 @@ def _bench(w, model_dir, repeats, patched):
         ref = MRV2Reference(*args)
         ours = mtpstate.RequestTable(**kw, decode_query_len=dq)
         alone = mtpstate.RequestTable(**kw)
-        if patched:
-            sub = MRV2Reference(*args, use_mtpstate=True)
         for b, keep in zip(blobs, timed):
             s1, s2, s3 = pickle.loads(b), pickle.loads(b), pickle.loads(b)
             t0 = time.perf_counter()
             ref.apply(s1)
             vb = ref.gather(s1)
             t1 = time.perf_counter()
-            if patched:
-                sub.apply(s2)
-                m2 = sub.gather(s2).idx_mapping_np
-            else:
-                m2 = ours.apply(s2).batch.idx_mapping_np
+            m2 = ours.apply(s2).batch.idx_mapping_np
             t2 = time.perf_counter()
             alone.apply(s3)
             t3 = time.perf_counter()
@@ -766,10 +863,9 @@ def _bench(w, model_dir, repeats, patched):
                 running.append(len(s1.num_scheduled_tokens))
     ratios = np.array(t_ref) / np.array(t_ours)
     n_med = statistics.median(running)
-    ops = _torch_op_counts(w, drv.block_sizes, blobs, timed) if patched else None
     return {
         "workload": w.name,
-        "subject": "patched runner (mtpstate on)" if patched else "RequestTable.apply(so).batch",
+        "subject": "RequestTable.apply(so).batch",
         "steps": len(blobs),
         "timed_steps": len(t_ref),
         "repeats": repeats,
@@ -782,15 +878,89 @@ def _bench(w, model_dir, repeats, patched):
         "paired_median": float(np.median(ratios)),
         "paired_p10": float(np.percentile(ratios, 10)),
         "paired_p90": float(np.percentile(ratios, 90)),
-        **({"torch_ops": ops} if ops else {}),
+    }
+
+
+PHASES = ("update", "gather", "prepare")
+
+
+def _timed_host_step(sub, so, out):
+    """``MRV2Reference.host_step`` with a clock between its phases: finish ..
+    update_requests + apply_staged_writes; gather_batch_req_state;
+    prepare_inputs + prepare_attn. Appends the three durations to ``out``."""
+    t0 = time.perf_counter()
+    sub.apply(so)
+    t1 = time.perf_counter()
+    batch = sub.gather(so)
+    t2 = time.perf_counter()
+    sub.prepare(so, batch)
+    t3 = time.perf_counter()
+    out.append((t1 - t0, t2 - t1, t3 - t2))
+
+
+def _bench_runner(w, model_dir, repeats):
+    """The patched runner with mtpstate on against itself off (vLLM's own
+    code paths), per step and interleaved (which side goes first alternates
+    by repeat), on freshly unpickled steps: the host part of
+    ``execute_model`` up to the forward (``MRV2Reference.host_step``). A
+    ``steady-*`` workload times only the steps that add and finish nothing.
+    Also counts the torch operator calls per step on each side."""
+    drv = Driver(w, model_dir)
+    steps = list(drv.steps())
+    blobs = [pickle.dumps(so) for so in steps]
+    timed = [not w.name.startswith("steady") or _quiet(so) for so in steps]
+    args = (w.max_num_seqs, w.max_model_len, w.max_num_batched_tokens, drv.block_sizes, w.num_spec)
+    times = {False: [], True: []}
+    running, with_new = [], []
+    for rep in range(repeats):
+        sides = {False: MRV2Reference(*args), True: MRV2Reference(*args, use_mtpstate=True)}
+        order = (False, True) if rep % 2 == 0 else (True, False)
+        for b, keep in zip(blobs, timed):
+            sos = {on: pickle.loads(b) for on in order}
+            mark = {on: len(times[on]) for on in order}
+            for on in order:
+                _timed_host_step(sides[on], sos[on], times[on])
+            if not keep:
+                for on in order:
+                    del times[on][mark[on] :]
+            elif rep == 0:
+                running.append(len(sos[False].num_scheduled_tokens))
+                with_new.append(bool(sos[False].scheduled_new_reqs))
+    off = np.array(times[False])  # [timed steps x repeats, phases]
+    on = np.array(times[True])
+    t_off, t_on = off.sum(axis=1), on.sum(axis=1)
+    ratios = t_off / t_on
+    ops = _torch_op_counts(w, drv.block_sizes, blobs, timed)
+    med = lambda a: float(np.median(a)) * 1e6  # noqa: E731  (us)
+    return {
+        "workload": w.name,
+        "subject": "patched runner: mtpstate on vs off (host part of execute_model up to the forward)",
+        "max_running": int(max(running)),
+        "median_running": float(statistics.median(running)),
+        "steps": len(blobs),
+        "timed_steps": len(running),
+        "timed_steps_with_new_requests": int(sum(with_new)),
+        "repeats": repeats,
+        "vllm_median_us": med(t_off),
+        "mtpstate_median_us": med(t_on),
+        "speedup": float(np.median(t_off) / np.median(t_on)),
+        "paired_median": float(np.median(ratios)),
+        "paired_p10": float(np.percentile(ratios, 10)),
+        "paired_p90": float(np.percentile(ratios, 90)),
+        "phases_us": {
+            "vllm": {p: med(off[:, k]) for k, p in enumerate(PHASES)},
+            "mtpstate": {p: med(on[:, k]) for k, p in enumerate(PHASES)},
+        },
+        "torch_ops": ops,
     }
 
 
 def _torch_op_counts(w, block_sizes, blobs, timed) -> dict:
     """torch operator calls per step (a TorchDispatchMode counter, in a pass
     of its own: counting slows the calls) on each side, over the timed part
-    (finish .. update, apply_staged_writes, gather_batch_req_state): on a GPU
-    each is a kernel launch or a copy. Split by steps with and without new
+    (``MRV2Reference.host_step``): on a GPU each is a kernel launch, a copy
+    or a view. The no-op'd Triton kernels are not torch operators and are
+    not counted on either side. Split by steps with and without new
     requests, to show whether the count grows with them."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -810,8 +980,7 @@ def _torch_op_counts(w, block_sizes, blobs, timed) -> dict:
             so = pickle.loads(b)
             Count.n = 0
             with Count():
-                ref.apply(so)
-                ref.gather(so)
+                ref.host_step(so)
             if keep:
                 counts["with_new" if so.scheduled_new_reqs else "without_new"].append(Count.n)
         out[side] = {k: (statistics.median(v) if v else None) for k, v in counts.items()}

@@ -67,7 +67,18 @@ TB_B_HAS_DRAFTS = 41  # the step's scheduled_spec_decode_tokens is not empty
 TB_B_STAMP = 42  # stamp of the row -> batch position map
 TB_B_HOLDER = 43  # id of a 1-item list the kernel puts the batch's req_ids list into
 TB_B_NEXT_N = 44  # the batch size found by the resolve pass, for the write pass
-TB_SIZE = 46
+# what the device mirror ships (set once by mirror.py)
+TB_STG_FIELDS = 45  # bit f: state field f (F_*, num_blocks rows included) is mirrored; others are not staged
+TB_FLAT_ENG = 46  # flat offset of the engine's [2, R] lengths (ENG_*), written for added rows only; -1: none
+TB_TOK_EXT = 47  # 1: a new request's token ids are staged for an external target (not the flat tensor)
+TB_STG_TOK_N = 48  # staged token elements of the step (external target), at the front of the slot
+TB_SIZE = 49
+
+# rows of the engine's lengths region (TB_FLAT_ENG): seeded when a request is
+# added, then advanced by the engine's own device code, never by the host
+ENG_TOTAL_LEN = 0  # prefill length (prompt + output so far)
+ENG_NCT = 1  # num_computed_tokens
+ENG_ROWS = 2
 
 # the descriptor of one new request, as NEW_STRIDE ints of a flat list built
 # by the Python side (which holds every object these addresses point to)

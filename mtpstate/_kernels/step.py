@@ -112,6 +112,9 @@ from mtpstate._kernels.slots import (
     A_PRE,
     A_SPEC,
     A_TOTAL,
+    ENG_NCT,
+    ENG_ROWS,
+    ENG_TOTAL_LEN,
     F_MAXSEQ,
     F_NB,
     F_NCPT,
@@ -145,6 +148,7 @@ from mtpstate._kernels.slots import (
     TB_BT_W,
     TB_DQL,
     TB_FLAT_BT,
+    TB_FLAT_ENG,
     TB_FLAT_TOK,
     TB_L,
     TB_NG,
@@ -165,11 +169,14 @@ from mtpstate._kernels.slots import (
     TB_STATE,
     TB_STG_CAP,
     TB_STG_DUPS,
+    TB_STG_FIELDS,
     TB_STG_N,
     TB_STG_ON,
     TB_STG_POS,
+    TB_STG_TOK_N,
     TB_STG_VAL,
     TB_TOK,
+    TB_TOK_EXT,
     _err,
 )
 
@@ -343,7 +350,9 @@ def _open_cached(tb, tp, cid, cnct_kind, cnct, cnct_n, cblk, array_ok, R):
 
 
 @jit(inline="always")
-def _append_blocks(blocks, replace, tp, a_state, R, ng, r, bt_addr, bt_w, flat_bt, staging, a_stg_pos, a_stg_val, ns):
+def _append_blocks(
+    blocks, replace, tp, a_state, R, ng, r, bt_addr, bt_w, flat_bt, staging, fields, a_stg_pos, a_stg_val, ns
+):
     """Append (or, for a resumed request, write from 0) one cached request's
     validated new block ids, one list per group, to row ``r``; update
     num_blocks; stage both. Returns the new number of staged elements."""
@@ -356,7 +365,7 @@ def _append_blocks(blocks, replace, tp, a_state, R, ng, r, bt_addr, bt_w, flat_b
             _item(b_items, g), tp, bt_addr[g], bt_w[g], r, start, staging, a_stg_pos, a_stg_val, ns, flat_bt[g]
         )
         st32(a_state, nbpos, start + c)
-        if staging:
+        if staging and (fields >> (F_NB + g)) & 1:
             st64(a_stg_pos, ns, nbpos)
             st32(a_stg_val, ns, start + c)
             ns += 1
@@ -447,6 +456,7 @@ def tb_apply(ixc, tbc, args):
     tb[TB_RES_NN] = 0
     tb[TB_RES_NF] = 0
     tb[TB_STG_N] = 0
+    tb[TB_STG_TOK_N] = 0
     tb[TB_B_N] = -1
     fin = _arg(items, A_FIN, none)
     pre = _arg(items, A_PRE, none)
@@ -495,6 +505,9 @@ def _update_only(ixc, tbc, cid, cnct_kind, cnct, cnct_n, cblk, nst, spec, total)
     prev_n = tb[TB_PREV_N]
     a_prev_obj, a_prev_row, a_rpp, a_prev_obj_next, a_prev_row_next, a_rpp_next = _prediction_buffers(tb, R, cur)
     staging = tb[TB_STG_ON] != 0
+    fields = tb[TB_STG_FIELDS]
+    stg_nct = staging and (fields >> F_NCT) & 1 != 0
+    stg_ncpt = staging and (fields >> F_NCPT) & 1 != 0
     stg_cap = tb[TB_STG_CAP]
     a_stg_pos = tb[TB_STG_POS]
     a_stg_val = tb[TB_STG_VAL]
@@ -601,9 +614,9 @@ def _update_only(ixc, tbc, cid, cnct_kind, cnct, cnct_n, cblk, nst, spec, total)
             _undo_update(a_state, a_scr, a_prev_row if sync else a_prev_row_next, R, i)
             return _err(tb, code, i, arg, PH_CACHED, field)
         st32(a_scr, O_NCT + i, ld32(a_state, F_NCT * R + row))  # undo log
-        ns = _put(a_state, F_NCT * R + row, v, staging, a_stg_pos, a_stg_val, ns)
+        ns = _put(a_state, F_NCT * R + row, v, stg_nct, a_stg_pos, a_stg_val, ns)
         m = min(v, ld32(a_state, F_PREFILL * R + row))
-        ns = _put(a_state, F_NCPT * R + row, m, staging, a_stg_pos, a_stg_val, ns)
+        ns = _put(a_state, F_NCPT * R + row, m, stg_ncpt, a_stg_pos, a_stg_val, ns)
         st32(a_res, i, row)
         if not sync:
             st64(a_prev_obj_next, i, _owned_obj(obj, tp))
@@ -659,7 +672,21 @@ def _update_only(ixc, tbc, cid, cnct_kind, cnct, cnct_n, cblk, nst, spec, total)
         i = ld32(a_scr, O_ROWS + k)
         r = ld32(a_res, i)
         ns = _append_blocks(
-            _item(i_cblk, i), False, tp, a_state, R, ng, r, bt_addr, bt_w, flat_bt, staging, a_stg_pos, a_stg_val, ns
+            _item(i_cblk, i),
+            False,
+            tp,
+            a_state,
+            R,
+            ng,
+            r,
+            bt_addr,
+            bt_w,
+            flat_bt,
+            staging,
+            fields,
+            a_stg_pos,
+            a_stg_val,
+            ns,
         )
     if not unchanged:
         _commit_prediction(tb, a_scr, R, stamp, nc, hits, nmiss, a_prev_obj, prev_n, a_prev_obj_next)
@@ -730,6 +757,11 @@ def _general(ixc, tbc, fin, pre, new, cid, cnct_kind, cnct, cnct_n, cblk, cres, 
     stg_val = view_i32(tb[TB_STG_VAL], stg_cap)
     flat_bt = view_i64(tb[TB_FLAT_BT], ng)
     flat_tok = tb[TB_FLAT_TOK]
+    tok_ext = tb[TB_TOK_EXT] != 0
+    eng = tb[TB_FLAT_ENG]
+    fields = tb[TB_STG_FIELDS]
+    stg_nct = staging and (fields >> F_NCT) & 1 != 0
+    stg_ncpt = staging and (fields >> F_NCPT) & 1 != 0
     a_state = tb[TB_STATE]
     a_scr = tb[TB_SCR]
     a_prev_obj, a_prev_row, a_rpp, a_prev_obj_next, a_prev_row_next, a_rpp_next = _prediction_buffers(tb, R, cur)
@@ -751,6 +783,7 @@ def _general(ixc, tbc, fin, pre, new, cid, cnct_kind, cnct, cnct_n, cblk, cres, 
     O_NB = S_NB0 * R
     need_words = 0
     nstage = 0
+    ntok = 0  # token elements for the external target: staged first, [0, ntok)
 
     # ---------------- pass 1: read and validate, write nothing -------------
     # finish: finished_req_ids | preempted_req_ids; unknown ids are ignored
@@ -861,8 +894,11 @@ def _general(ixc, tbc, fin, pre, new, cid, cnct_kind, cnct, cnct_n, cblk, cres, 
                 return _err(tb, E_NOT_CANONICAL, k, 0, PH_NEW, FLD_BLOCKS)
             if b_n != ng:
                 return _err(tb, E_GROUPS, k, b_n, PH_NEW, FLD_BLOCKS)
-            nstage += F_NB + ng
+            nstage += F_NB + ng + ENG_ROWS
             if flat_tok >= 0:
+                nstage += npf
+            elif tok_ext:
+                ntok += npf
                 nstage += npf
             for g in range(ng):
                 c, st = _check_int31_list(_item(b_items, g), tp, E_BLOCK_VALUE)
@@ -1044,7 +1080,8 @@ def _general(ixc, tbc, fin, pre, new, cid, cnct_kind, cnct, cnct_n, cblk, cres, 
         return _err(tb, E_KEY_TOO_LONG, -1, short, PH_NEW, FLD_REQ_ID)
 
     # ---------------- pass 2: apply ----------------------------------------
-    ns = 0
+    nt = 0
+    ns = ntok if staging else 0
     # freed rows, ascending: the result's order, and the order they are freed in
     freed = res[2 * R : 2 * R + nfreed]
     for f in range(nfreed):
@@ -1091,6 +1128,11 @@ def _general(ixc, tbc, fin, pre, new, cid, cnct_kind, cnct, cnct_n, cblk, cres, 
                 stg_pos[ns] = flat_tok + tbase + t
                 stg_val[ns] = tok[tbase + t]
                 ns += 1
+        elif staging and tok_ext:
+            for t in range(npf):
+                stg_pos[nt] = tbase + t
+                stg_val[nt] = tok[tbase + t]
+                nt += 1
         state[F_NCT * R + r] = nct
         state[F_NCPT * R + r] = min(nct, npf)
         state[F_PREFILL * R + r] = npf
@@ -1105,9 +1147,16 @@ def _general(ixc, tbc, fin, pre, new, cid, cnct_kind, cnct, cnct_n, cblk, cres, 
             )
         if staging:
             for f in range(F_NB + ng):
-                stg_pos[ns] = f * R + r
-                stg_val[ns] = state[f * R + r]
-                ns += 1
+                if (fields >> f) & 1:
+                    stg_pos[ns] = f * R + r
+                    stg_val[ns] = state[f * R + r]
+                    ns += 1
+            if eng >= 0:  # the engine's own copies, seeded once per added row
+                stg_pos[ns] = eng + ENG_TOTAL_LEN * R + r
+                stg_val[ns] = npf
+                stg_pos[ns + 1] = eng + ENG_NCT * R + r
+                stg_val[ns + 1] = nct
+                ns += 2
     # (freeing lowered the free-row hint; rows below it are still all live)
     if cid != 0:
         none = tp[5]
@@ -1115,14 +1164,14 @@ def _general(ixc, tbc, fin, pre, new, cid, cnct_kind, cnct, cnct_n, cblk, cres, 
             r = ld32(a_scr, O_ROWS + i)
             v = ld32(a_scr, O_NCT + i)
             res[i] = r
-            ns = _put(a_state, F_NCT * R + r, v, staging, a_stg_pos, a_stg_val, ns)
+            ns = _put(a_state, F_NCT * R + r, v, stg_nct, a_stg_pos, a_stg_val, ns)
             m = min(v, ld32(a_state, F_PREFILL * R + r))
-            ns = _put(a_state, F_NCPT * R + r, m, staging, a_stg_pos, a_stg_val, ns)
+            ns = _put(a_state, F_NCPT * R + r, m, stg_ncpt, a_stg_pos, a_stg_val, ns)
             b = _item(i_cblk, i)
             if b != none:
                 resumed = ld32(a_scr, O_FLAGS + i) == 1
                 ns = _append_blocks(
-                    b, resumed, tp, a_state, R, ng, r, bt_addr, bt_w, flat_bt, staging, a_stg_pos, a_stg_val, ns
+                    b, resumed, tp, a_state, R, ng, r, bt_addr, bt_w, flat_bt, staging, fields, a_stg_pos, a_stg_val, ns
                 )
             # remember this update's order and objects for the next prediction
             # (row_prev_pos[r] is trusted only where prev_row points back at r)
@@ -1134,6 +1183,7 @@ def _general(ixc, tbc, fin, pre, new, cid, cnct_kind, cnct, cnct_n, cblk, cres, 
     tb[TB_RES_NN] = nn
     tb[TB_RES_NF] = nfreed
     tb[TB_STG_N] = ns
+    tb[TB_STG_TOK_N] = nt
     if nst != 0:
         write_batch(tb, R, a_state)
     return OK

@@ -9,8 +9,8 @@
 request is what must: the runner's hooks for requests that leave or arrive
 (``_remove_request``: model state, pooling, ``pp_handler.on_req_idx_freed``,
 encoder cache, LoRA; and the add hooks: model state, sampler, speculator,
-...), and the staging of their token ids into vLLM's tensors (block tables
-go through the table's device mirror).
+...). Every device-side change (block tables, lengths, new requests' token
+ids) goes through the table's device mirror: one staged copy per step.
 
 Imports no vLLM: it works on the runner object it is given. The worked patch
 ``integrations/vllm/mtpstate-mrv2.patch`` shows the calls in the runner;
@@ -70,9 +70,16 @@ class ModelRunnerV2State:
     dtypes and shapes, so every reader in the runner is unchanged):
     ``req_states.num_computed_tokens_np``, ``num_computed_prefill_tokens``,
     ``max_seq_len``, ``prompt_len.np``, ``prefill_len.np`` and
-    ``block_tables.num_blocks.np``; the device block tables
-    (``block_tables.block_tables[g].gpu``) are the mirror's tensors, same
-    dtype and shape, written only by the mirror's per-step copy.
+    ``block_tables.num_blocks.np``. These device tensors are the mirror's
+    (same dtype and shape), written only by its one staged copy per step:
+    ``block_tables.block_tables[g].gpu``, ``block_tables.num_blocks.gpu``,
+    ``req_states.prompt_len.gpu`` / ``prefill_len.gpu`` (device memory
+    instead of UVA, changed only where rows change; their ``copy_to_uva()``
+    copies nothing), and ``req_states.total_len.gpu`` /
+    ``num_computed_tokens.gpu`` (seeded when a request is added, then
+    advanced by vLLM's kernels as before). New requests' token ids are
+    scattered by the same step into ``req_states.all_token_ids.gpu``
+    (vLLM's UVA or device tensor), in stream order.
     ``req_states.req_id_to_index`` /
     ``index_to_req_id`` are still kept (the runner reads them elsewhere), but
     only requests that arrive or leave touch them. Rows are the table's
@@ -84,30 +91,52 @@ class ModelRunnerV2State:
         rs, bt = runner.req_states, runner.block_tables
         widths = [t.gpu.shape[1] for t in bt.block_tables]
         self.runner = runner
-        # the block tables live in the table's device mirror: each step's
-        # appends reach the device in the mirror's one staged copy, instead of
-        # one StagedWriteTensor write per request; token ids stay vLLM's (UVA
-        # by default), staged per new request as MRV2 does
+        # Everything the host changes reaches vLLM's tensors in the mirror's
+        # one staged copy per step, in stream order: the block tables and
+        # num_blocks, the UVA prompt/prefill lengths (only rows that changed,
+        # instead of whole-array copies every step), and for new requests
+        # their token ids (scattered into vLLM's all_token_ids through the
+        # device, as its write kernel does), total_len and the device
+        # num_computed_tokens. The host-only num_computed_tokens /
+        # num_computed_prefill_tokens / max_seq_len are not shipped: vLLM's
+        # device code keeps its own num_computed_tokens.
         self.table = RequestTable(
             max_num_reqs=rs.max_num_reqs,
             max_model_len=rs.max_model_len,
             block_sizes=list(bt.block_sizes),
             max_num_blocks_per_group=widths,
             device=rs.device,
-            mirror_options={"ring_depth": ring_depth, "token_ids_on_device": False},
+            mirror_options={
+                "ring_depth": ring_depth,
+                "fields": ("prefill_len", "prompt_len", "num_blocks"),
+                "engine_lengths": True,
+                "token_ids_target": rs.all_token_ids.gpu,  # [max_num_reqs, max_model_len]
+            },
             # the step's batch (gather_batch_req_state's BatchReqState) in the same call
             decode_query_len=getattr(runner, "decode_query_len", None),
         )
         self._batch = None
         t = self.table
+        d = t.device_tensors
+        self._mirror = t._mirror
         # the runner reads these every step; as views, apply's writes are theirs
         rs.num_computed_tokens_np = t.num_computed_tokens  # [max_num_reqs]
         rs.num_computed_prefill_tokens = t.num_computed_prefill_tokens  # [max_num_reqs]
         rs.max_seq_len = t.max_seq_len  # [max_num_reqs]
-        rs.prompt_len.np = t.prompt_len  # copy_to_uva() reads .np
-        rs.prefill_len.np = t.prefill_len
-        bt.num_blocks.np = t.num_blocks  # [num_groups, max_num_reqs]
-        for g, dev in enumerate(t.device_tensors.block_tables):  # [max_num_reqs, W_g] each
+        # UvaBackedTensors: host side (.np) and device side (.gpu) are the
+        # table's; their per-step whole-array copy_to_uva() has nothing to do
+        for uva, host, dev in (
+            (rs.prompt_len, t.prompt_len, d.prompt_len),
+            (rs.prefill_len, t.prefill_len, d.prefill_len),
+            (bt.num_blocks, t.num_blocks, d.num_blocks),  # [num_groups, max_num_reqs]
+        ):
+            uva.np = host
+            uva.gpu = dev
+            uva.copy_to_uva = _Current(uva)
+        # device tensors the runner's own kernels advance; seeded per new row
+        rs.total_len.gpu = d.total_len  # [max_num_reqs]
+        rs.num_computed_tokens.gpu = d.engine_num_computed_tokens  # [max_num_reqs]
+        for g, dev in enumerate(d.block_tables):  # [max_num_reqs, W_g] each
             bt.block_tables[g].gpu = dev
         bt.init_block_table_layout_tensors()  # the kernels' pointer/stride tables
         rs.external_rows = True  # the patched RequestState keeps no free list
@@ -119,43 +148,43 @@ class ModelRunnerV2State:
         """``finish_requests``: run the runner's per-request removal hooks
         (they need the rows, which stay valid until :meth:`apply`), in sorted
         id order as vLLM does, so that ranks agree. Unknown ids are ignored."""
-        rs = self.runner.req_states
-        gone = set(scheduler_output.finished_req_ids)
-        gone.update(scheduler_output.preempted_req_ids or ())
-        gone.update(r.req_id for r in scheduler_output.scheduled_new_reqs if r.req_id in rs.req_id_to_index)
+        so = scheduler_output
+        fin, pre, new = so.finished_req_ids, so.preempted_req_ids, so.scheduled_new_reqs
+        if not fin and not pre and not new:  # a decode step: nobody leaves
+            self._freeing = None
+            return
+        index = self.runner.req_states.req_id_to_index
+        gone = set(fin)
+        gone.update(pre or ())
+        gone.update(r.req_id for r in new if r.req_id in index)
         self._freeing = sorted(gone)
         for req_id in self._freeing:
             self.runner._remove_request(req_id)
 
     def apply(self, scheduler_output) -> StepResult:
         """``add_requests`` + ``update_requests``: apply the step (finish, add,
-        update) with one ``RequestTable.apply``, whose mirror also ships every
-        block-table change to the device; then stage the new requests' token
-        ids and lengths into vLLM's tensors as MRV2 does. Returns the table's
-        :class:`StepResult` (``new_rows`` in the order of
-        ``scheduled_new_reqs``, for the runner's add hooks)."""
+        update) with one ``RequestTable.apply``, whose mirror ships every
+        change the step makes to vLLM's tensors in one staged copy (see the
+        constructor). Returns the table's :class:`StepResult` (``new_rows``
+        in the order of ``scheduled_new_reqs``, for the runner's add hooks)."""
         so = scheduler_output
-        rs = self.runner.req_states
-        res = self.table.apply(_Step(self._freeing, so))
+        freeing = self._freeing
+        # a decode step (finish() found nobody leaving): the step as it is
+        res = self.table.apply(so if freeing is None else _Step(freeing, so))
         self._freeing = []
         self._batch = res.batch
         new = so.scheduled_new_reqs
         if new:
-            prefill_len = self.table.prefill_len
-            rows = res.new_rows.tolist()
-            for r, row in zip(new, rows):
-                rs.req_id_to_index[r.req_id] = row
-                rs.index_to_req_id[row] = r.req_id
-                rs.total_len.stage_write_elem(row, int(prefill_len[row]))
-                rs.all_token_ids.stage_write(row, 0, r.prefill_token_ids)  # by reference, as vLLM does
-                rs.num_computed_tokens.stage_write_elem(row, r.num_computed_tokens)
+            rs = self.runner.req_states
+            rows = res.new_rows
+            index, ids = rs.req_id_to_index, rs.index_to_req_id
+            for r, row in zip(new, rows.tolist()):
+                index[r.req_id] = row
+                ids[row] = r.req_id
             if rs.num_speculative_steps > 0:
                 # the new rows' draft tokens zeroed in one op (vLLM: one
                 # draft_tokens[row].zero_() per new request)
-                import torch
-
-                idx = torch.tensor(rows, dtype=torch.int64).to(rs.draft_tokens.device, non_blocking=True)
-                rs.draft_tokens.index_fill_(0, idx, 0)
+                rs.draft_tokens.index_fill_(0, self._mirror.upload_rows(rows, "new_rows"), 0)
         return res
 
     def accepts_request_id(self, req_id) -> bool:
@@ -178,22 +207,16 @@ class ModelRunnerV2State:
         apply), ``max_seq_len_np`` only with pipeline parallelism and a
         prefill, as vLLM fills it."""
         b = self._batch
-        drafts = b.num_draft_tokens_np
-        as_decode = b.prefill_runs_as_decode_np
+        arrays = b.copy_arrays()
         has_prefill = b.has_prefill
+        if not (use_pp and has_prefill):
+            arrays["max_seq_len_np"] = None
         return cls(
             req_ids=b.req_ids,
-            num_scheduled_tokens=b.num_scheduled_tokens.copy(),
             num_tokens=b.num_tokens,
-            num_draft_tokens_np=None if drafts is None else drafts.copy(),
-            idx_mapping_np=b.idx_mapping_np.copy(),
-            prefill_len_np=b.prefill_len_np.copy(),
-            num_computed_prefill_tokens_np=b.num_computed_prefill_tokens_np.copy(),
-            is_prefilling_np=b.is_prefilling_np.copy(),
-            max_seq_len_np=b.max_seq_len_np.copy() if use_pp and has_prefill else None,
             has_prefill=has_prefill,
-            prefill_runs_as_decode_np=None if as_decode is None else as_decode.copy(),
             decode_graph_eligible=b.decode_graph_eligible,
+            **arrays,
         )
 
     def batch_rows(self, req_ids) -> np.ndarray:
@@ -205,15 +228,24 @@ class ModelRunnerV2State:
             return b.idx_mapping_np
         return self.table.rows(req_ids).astype(np.intp)
 
-    def idx_mapping(self, req_ids, device):
-        """The batch -> row mapping as an int64 tensor on ``device``, ready for
-        ``prepare_inputs``: built on the host, then one non-blocking copy from
-        pinned memory when ``device`` is a GPU (what vLLM's
-        ``async_tensor_h2d`` does with ``idx_mapping_np``)."""
-        import torch
+    def idx_mapping(self, idx_mapping_np: np.ndarray):
+        """``prepare_inputs``' ``idx_mapping``: the batch -> row mapping as an
+        int64 tensor on the runner's device, copied (non-blocking) from a
+        ring of persistent pinned buffers instead of a pinned allocation per
+        step (what ``async_tensor_h2d`` does). Valid for ``ring_depth``
+        steps, like every per-step input buffer of an async engine."""
+        return self._mirror.upload_rows(idx_mapping_np, "idx_mapping")
 
-        host = torch.from_numpy(self.batch_rows(req_ids).astype(np.int64))
-        dev = torch.device(device)
-        if dev.type == "cpu":
-            return host
-        return host.pin_memory().to(dev, non_blocking=True)
+
+class _Current:
+    """``UvaBackedTensor.copy_to_uva`` for a tensor the table's mirror keeps
+    current on the device: nothing to copy, the device side as it is."""
+
+    __slots__ = ("_uva",)
+
+    def __init__(self, uva):
+        self._uva = uva
+
+    def __call__(self, n=None):
+        gpu = self._uva.gpu
+        return gpu if n is None else gpu[:n]
