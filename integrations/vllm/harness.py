@@ -67,11 +67,10 @@ def install_cpu_shims() -> None:
     # prepare_inputs / prepare_attn: their Triton kernels are launches on a
     # GPU (asynchronous, the host only pays the launch); here no-ops on both
     # sides, everything around them (numpy, torch allocations, copies) real
+    import vllm.utils.torch_utils as torch_utils
     from vllm.triton_utils import triton
     from vllm.utils.math_utils import next_power_of_2
     from vllm.v1.worker.gpu import block_table, input_batch
-
-    import vllm.utils.torch_utils as torch_utils
 
     torch_utils.PIN_MEMORY = False  # async_tensor_h2d: no pinned staging without an accelerator
     if not hasattr(triton, "next_power_of_2"):  # vLLM's placeholder module (no Triton installed)
