@@ -217,3 +217,157 @@ def test_cuda_ring_reuse_stress(depth):
     for s, h in zip(snaps, hosts):
         for a, b in zip(s, h):
             np.testing.assert_array_equal(a.cpu().numpy(), b)
+
+
+# ----------------------------------------------------------------------------
+# what an engine's runner needs: some fields only, its own lengths seeded per
+# added row, new requests' tokens scattered into its tensor, row uploads
+
+
+def _engine_table(R, L, block_sizes, target):
+    return RequestTable(
+        max_num_reqs=R,
+        max_model_len=L,
+        block_sizes=block_sizes,
+        device="cpu",
+        mirror_options={
+            "fields": ("prefill_len", "prompt_len", "num_blocks"),
+            "engine_lengths": True,
+            "token_ids_target": target,
+            "staging_capacity": 8,
+        },
+    )
+
+
+@settings(max_examples=20)
+@given(knobs=sim_knobs, steps=st.integers(1, 40), generic=st.booleans())
+def test_engine_targets_follow_every_step(knobs, steps, generic):
+    """Mirrored fields equal the host; fields left out are never shipped;
+    the engine's lengths and token tensor hold what each row's last add
+    seeded (the engine's device code would advance them; nothing here does)."""
+    R, L = knobs["max_num_reqs"], 200
+    sim = Simulator(**{**knobs, "max_num_reqs": R, "max_model_len": L}, prompt_len=(1, 60), output_len=(1, 40))
+    target = torch.full((R, L), -1, dtype=torch.int32)
+    t = _engine_table(R, L, knobs["block_sizes"], target)
+    d = t.device_tensors
+    assert d.num_computed_tokens is None and d.max_seq_len is None and d.num_computed_prefill_tokens is None
+    assert d.token_ids is not None and d.token_ids.data_ptr() == target.data_ptr()
+    seeded = {}  # row -> (prefill tokens, num_computed_tokens) of its last add
+    rng = np.random.default_rng(knobs["seed"])
+    for so in sim.run(steps):
+        res = t.apply(genericize(so, rng) if generic else so)
+        for r, row in zip(so.scheduled_new_reqs, res.new_rows.tolist()):
+            seeded[row] = (list(r.prefill_token_ids or r.prompt_token_ids), r.num_computed_tokens)
+        for name in ("prefill_len", "prompt_len", "num_blocks"):
+            np.testing.assert_array_equal(getattr(d, name).numpy(), getattr(t, name), err_msg=name)
+        for g, bt in enumerate(t.block_tables):
+            np.testing.assert_array_equal(d.block_tables[g].numpy(), bt)
+        for row, (tokens, nct) in seeded.items():
+            n = len(tokens)
+            assert target[row, :n].tolist() == tokens
+            assert int(d.total_len[row]) == n
+            assert int(d.engine_num_computed_tokens[row]) == nct
+    assert t.transfer_stats()["copies"] in (0, 2)
+
+
+def test_unmirrored_fields_are_not_staged():
+    """A decode step that only advances num_computed_tokens ships nothing
+    when that field is not mirrored (and 12 bytes per change when it is)."""
+    n = 64
+    setup, timed = steady_decode(n, steps=3)
+    target = torch.zeros((n, 16384), dtype=torch.int32)
+    lean = _engine_table(n, 16384, (16,), target)
+    full = RequestTable(max_num_reqs=n, max_model_len=16384, device="cpu")
+    for so in setup:
+        lean.apply(so)
+        full.apply(so)
+    for so in timed:
+        before = lean.num_blocks.copy()
+        lean.apply(so)
+        full.apply(so)
+        appended = int((lean.num_blocks != before).sum())
+        blocks = int((lean.num_blocks - before).sum())
+        assert lean.transfer_stats()["bytes"] == 12 * (appended + blocks)
+        assert full.transfer_stats()["bytes"] > lean.transfer_stats()["bytes"]
+
+
+def test_engine_mirror_options_validated():
+    with pytest.raises(ValueError, match="unknown mirrored fields"):
+        RequestTable(max_num_reqs=2, max_model_len=8, device="cpu", mirror_options={"fields": ("nope",)})
+    for bad in (torch.zeros((2, 8), dtype=torch.int64), torch.zeros((2, 9), dtype=torch.int32)):
+        with pytest.raises(ValueError, match="token_ids_target"):
+            RequestTable(max_num_reqs=2, max_model_len=8, device="cpu", mirror_options={"token_ids_target": bad})
+    with pytest.raises(ValueError, match="contiguous"):
+        t = torch.zeros((8, 2), dtype=torch.int32).T
+        RequestTable(max_num_reqs=2, max_model_len=8, device="cpu", mirror_options={"token_ids_target": t})
+
+
+def test_upload_rows_ring():
+    """Persistent buffers used round robin: results stay valid for
+    ring_depth calls of the same purpose; purposes do not share buffers;
+    more rows than max_num_reqs is a StateError."""
+    t = RequestTable(max_num_reqs=8, max_model_len=16, device="cpu", mirror_options={"ring_depth": 3})
+    m = t._mirror
+    outs = [m.upload_rows(np.array([k, k + 1], np.intp)) for k in range(3)]
+    other = m.upload_rows(np.array([7], np.intp), "other")
+    assert [o.tolist() for o in outs] == [[0, 1], [1, 2], [2, 3]] and other.tolist() == [7]
+    assert outs[0].dtype == torch.int64
+    again = m.upload_rows(np.array([5, 6, 7], np.intp))  # reuses the first buffer
+    assert again.data_ptr() == outs[0].data_ptr() and again.tolist() == [5, 6, 7]
+    with pytest.raises(StateError, match="max_num_reqs"):
+        m.upload_rows(np.arange(9))
+
+
+@pytest.mark.cuda
+@cuda
+@pytest.mark.parametrize("depth", [2, 3])
+def test_cuda_engine_targets_under_held_back_copies(depth):
+    """The adapter's configuration on a GPU: token ids scattered into an
+    engine tensor, lengths seeded per added row, only three fields mirrored,
+    with the copy stream held back at random; checked in stream order after
+    every step against what each row's last add seeded."""
+    import random
+
+    rng = random.Random(depth)
+    R, L = 64, 512
+    sim = Simulator(
+        max_num_reqs=R,
+        max_model_len=L,
+        block_sizes=(16,),
+        num_spec=3,
+        accept=0.6,
+        preempt_prob=0.2,
+        abort_prob=0.1,
+        prompt_len=(1, 200),
+        output_len=(20, 200),
+        seed=depth,
+    )
+    target = torch.full((R, L), -1, dtype=torch.int32, device="cuda")
+    t = RequestTable(
+        max_num_reqs=R,
+        max_model_len=L,
+        device="cuda",
+        mirror_options={
+            "ring_depth": depth,
+            "fields": ("prefill_len", "prompt_len", "num_blocks"),
+            "engine_lengths": True,
+            "token_ids_target": target,
+        },
+    )
+    d, stream = t.device_tensors, t._mirror._stream
+    seeded = {}
+    for so in sim.run(200):
+        if rng.random() < 0.5:
+            with torch.cuda.stream(stream):
+                torch.cuda._sleep(rng.randrange(100_000, 2_000_000))
+        res = t.apply(so)
+        for r, row in zip(so.scheduled_new_reqs, res.new_rows.tolist()):
+            seeded[row] = (list(r.prefill_token_ids or r.prompt_token_ids), r.num_computed_tokens)
+        rows = sorted(seeded)
+        tok, tl, nct = target[rows].cpu(), d.total_len[rows].cpu(), d.engine_num_computed_tokens[rows].cpu()
+        for k, row in enumerate(rows):
+            tokens, n_c = seeded[row]
+            assert tok[k, : len(tokens)].tolist() == tokens
+            assert int(tl[k]) == len(tokens) and int(nct[k]) == n_c
+        np.testing.assert_array_equal(d.num_blocks.cpu().numpy(), t.num_blocks)
+        np.testing.assert_array_equal(d.block_tables[0].cpu().numpy(), t.block_tables[0])
