@@ -249,13 +249,14 @@ class DeviceMirror:
         """Ship the first ``n`` staged elements of the open slot (of which
         the first ``n_tok`` are token ids for the token target) and scatter
         them into the device tensors; returns without waiting."""
+        if n == 0:  # nothing to ship: the slot stays open for the next step
+            self.table._ctx[T.TB_STG_N] = 0
+            self._last = _SHIPPED_NOTHING
+            return
         slot = self._open
         self._open = None
         self._next = (self._next + 1) % len(self._slots)
         self.table._ctx[T.TB_STG_ON] = 0  # nothing is staged between steps
-        if n == 0:
-            self._last = {"bytes": 0, "copies": 0}
-            return
         if deduplicate:  # the same element written twice in one step: keep the last write
             p = slot.pos_np[n_tok:n][::-1]
             _, first = np.unique(p, return_index=True)
@@ -326,12 +327,17 @@ class DeviceMirror:
         copy on the current stream, each buffer refilled only after its last
         copy completed. The result is valid until ``ring_depth`` more calls
         with the same ``purpose``."""
+        return self.rows_ring(purpose).upload(rows)
+
+    def rows_ring(self, purpose: str = "rows") -> _RowsRing:
+        """The ring ``upload_rows`` uses for ``purpose`` (a caller that
+        uploads every step keeps it and calls its ``upload``)."""
         ring = self._rows_rings.get(purpose)
         if ring is None:
             ring = self._rows_rings[purpose] = _RowsRing(
                 self._torch, self.device, self.table.max_num_reqs, self.ring_depth
             )
-        return ring.upload(rows)
+        return ring
 
     def synchronize(self):
         for slot in self._slots:
@@ -345,6 +351,9 @@ class DeviceMirror:
 
     def stats(self) -> dict:
         return dict(self._last)
+
+
+_SHIPPED_NOTHING = {"bytes": 0, "copies": 0}
 
 
 class _RowsRing:
@@ -362,13 +371,15 @@ class _RowsRing:
         )
         self.events = [None] * depth
         self.next = 0
+        self.depth = depth
+        self.capacity = capacity
 
     def upload(self, rows):
         k = self.next
-        self.next = (k + 1) % len(self.host)
+        self.next = (k + 1) % self.depth
         n = len(rows)
-        if n > len(self.host_np[k]):
-            raise StateError(f"{n} rows exceed max_num_reqs={len(self.host_np[k])}")
+        if n > self.capacity:
+            raise StateError(f"{n} rows exceed max_num_reqs={self.capacity}")
         ev = self.events[k]
         if ev is not None:
             ev.synchronize()  # its last copy may still be reading the buffer

@@ -92,9 +92,13 @@ ATTN_KERNELS = ("_gather_block_tables_kernel", "_compute_slot_mappings_kernel")
 
 
 class _NoLaunch:
-    """``kernel[grid](...)`` that launches nothing."""
+    """``kernel[grid](...)`` that launches nothing (and counts the launch:
+    on a GPU each is one, which the torch-op counter does not see)."""
+
+    launches = 0
 
     def __getitem__(self, grid):
+        _NoLaunch.launches += 1
         return _no_launch
 
 
@@ -810,14 +814,27 @@ def bench_workload(w: Workload, model_dir: str, repeats: int = 5, patched: bool 
     of ``execute_model`` up to the forward (``_bench_runner``)."""
     from vllm.v1.worker.gpu import buffer_utils
 
-    # On a GPU the write kernel is an asynchronous launch; its numpy emulation
-    # here would dominate both sides. Timed: everything up to the launch.
+    from mtpstate.mirror import DeviceMirror
+
+    # The device step of the state staging is a launch on a GPU, on both
+    # sides: vLLM's Triton write kernel, and the mirror's two copies and
+    # scatter(s). Both are no-ops here, counted as launches; timed is
+    # everything up to them (vLLM's UVA staging, mtpstate's kernel staging).
     emulated = buffer_utils._apply_write_kernel
+    shipped = DeviceMirror._ship
     buffer_utils._apply_write_kernel = _NoLaunch()
+    DeviceMirror._ship = _no_ship
     try:
         return _bench_runner(w, model_dir, repeats) if patched else _bench(w, model_dir, repeats)
     finally:
         buffer_utils._apply_write_kernel = emulated
+        DeviceMirror._ship = shipped
+
+
+def _no_ship(mirror, slot, n, n_tok):
+    """``DeviceMirror._ship`` launching nothing: two copies and one scatter
+    per target, counted."""
+    _NoLaunch.launches += 3 + (1 if n_tok else 0)
 
 
 def _quiet(so) -> bool:
@@ -958,9 +975,9 @@ def _torch_op_counts(w, block_sizes, blobs, timed) -> dict:
     """torch operator calls per step (a TorchDispatchMode counter, in a pass
     of its own: counting slows the calls) on each side, over the timed part
     (``MRV2Reference.host_step``): on a GPU each is a kernel launch, a copy
-    or a view. The no-op'd Triton kernels are not torch operators and are
-    not counted on either side. Split by steps with and without new
-    requests, to show whether the count grows with them."""
+    or a view. The no-op'd launches (Triton kernels, the mirror's copies and
+    scatters) are counted apart (``no_op_launches``). Split by steps with and
+    without new requests, to show whether the count grows with them."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
     class Count(TorchDispatchMode):
@@ -975,15 +992,22 @@ def _torch_op_counts(w, block_sizes, blobs, timed) -> dict:
         args = (w.max_num_seqs, w.max_model_len, w.max_num_batched_tokens, block_sizes, w.num_spec)
         ref = MRV2Reference(*args, use_mtpstate=on)
         counts = {"with_new": [], "without_new": []}
+        triton = {"with_new": [], "without_new": []}
         for b, keep in zip(blobs, timed):
             so = pickle.loads(b)
             Count.n = 0
+            launched = _NoLaunch.launches
             with Count():
                 ref.host_step(so)
             if keep:
-                counts["with_new" if so.scheduled_new_reqs else "without_new"].append(Count.n)
+                kind = "with_new" if so.scheduled_new_reqs else "without_new"
+                counts[kind].append(Count.n)
+                triton[kind].append(_NoLaunch.launches - launched)
         out[side] = {k: (statistics.median(v) if v else None) for k, v in counts.items()}
         out[side]["max"] = max(counts["with_new"] + counts["without_new"])
+        # device launches no-op'd here (Triton kernels; the mirror's copies
+        # and scatters), per step
+        out[side]["no_op_launches"] = {k: (statistics.median(v) if v else None) for k, v in triton.items()}
     return out
 
 

@@ -139,6 +139,7 @@ class ModelRunnerV2State:
         for g, dev in enumerate(d.block_tables):  # [max_num_reqs, W_g] each
             bt.block_tables[g].gpu = dev
         bt.init_block_table_layout_tensors()  # the kernels' pointer/stride tables
+        self._idx_ring = self._mirror.rows_ring("idx_mapping")
         rs.external_rows = True  # the patched RequestState keeps no free list
         self._freeing: list[str] = []
 
@@ -234,7 +235,7 @@ class ModelRunnerV2State:
         ring of persistent pinned buffers instead of a pinned allocation per
         step (what ``async_tensor_h2d`` does). Valid for ``ring_depth``
         steps, like every per-step input buffer of an async engine."""
-        return self._mirror.upload_rows(idx_mapping_np, "idx_mapping")
+        return self._idx_ring.upload(idx_mapping_np)
 
 
 class _Current:
