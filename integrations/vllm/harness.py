@@ -453,8 +453,10 @@ class MRV2Reference:
         self.apply(so)
         return self.prepare(so, self.gather(so))
 
-    def state(self) -> dict:
-        """Per request id: every field the comparison covers."""
+    def state(self, device: bool = False) -> dict:
+        """Per request id: every field the comparison covers; ``device``:
+        also vLLM's device-side tensors as its kernels read them (the
+        patched runner writes them through mtpstate's mirror)."""
         rs, bt = self.req_states, self.block_tables
         tokens = rs.all_token_ids.gpu.numpy()
         tables = [t.gpu.numpy() for t in bt.block_tables]
@@ -472,13 +474,17 @@ class MRV2Reference:
                 "blocks": [tables[g][r, : nb[g]].tolist() for g in range(len(tables))],
                 "prefill_token_ids": tokens[r, :pl].tolist(),
                 "is_prefilling": int(rs.num_computed_prefill_tokens[r]) < pl,
-                # vLLM's device-side tensors, as its kernels would read them
-                "total_len.gpu": int(rs.total_len.gpu[r]),
-                "num_computed_tokens.gpu": int(rs.num_computed_tokens.gpu[r]),
-                "prefill_len.gpu": int(rs.prefill_len.gpu[r]),
-                "prompt_len.gpu": int(rs.prompt_len.gpu[r]),
-                "num_blocks.gpu": [int(bt.num_blocks.gpu[g, r]) for g in range(len(tables))],
             }
+            if device:
+                out[rid].update(
+                    {
+                        "total_len.gpu": int(rs.total_len.gpu[r]),
+                        "num_computed_tokens.gpu": int(rs.num_computed_tokens.gpu[r]),
+                        "prefill_len.gpu": int(rs.prefill_len.gpu[r]),
+                        "prompt_len.gpu": int(rs.prompt_len.gpu[r]),
+                        "num_blocks.gpu": [int(bt.num_blocks.gpu[g, r]) for g in range(len(tables))],
+                    }
+                )
         return out
 
 
@@ -780,7 +786,7 @@ def run_patched(w: Workload, model_dir: str) -> dict:
         so2 = pickle.loads(blob)
         ref.apply(so)
         patched.apply(so2)
-        bad = diff_states(ref.state(), patched.state())
+        bad = diff_states(ref.state(device=True), patched.state(device=True))
         # the whole BatchReqState: vLLM's gather (off) against StepResult.batch (on)
         bad += diff_batches(ref.gather(so), ids_ref, patched.gather(so2), ids_pat)
         order = list(so.num_scheduled_tokens)
