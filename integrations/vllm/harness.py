@@ -762,6 +762,44 @@ def run_workload(w: Workload, model_dir: str, check_pickled: bool = True, contro
     return res
 
 
+def _zero_token_values(mirror, slot, n, n_tok):
+    slot.val_np[:n_tok] = 0
+
+
+def _zero_engine_lengths(mirror, slot, n, n_tok):
+    from mtpstate._kernels import slots
+
+    eng = int(mirror.table._ctx[slots.TB_FLAT_ENG])
+    pos = slot.pos_np[n_tok:n]
+    slot.val_np[n_tok:n][(pos >= eng) & (pos < eng + slots.ENG_ROWS * mirror.table.max_num_reqs)] = 0
+
+
+def _drop_length_rows(mirror, slot, n, n_tok):
+    from mtpstate._kernels import slots
+
+    R = mirror.table.max_num_reqs
+    pos = slot.pos_np[n_tok:n]
+    lengths = (pos >= slots.F_PREFILL * R) & (pos < (slots.F_PROMPT + 1) * R)
+    slot.pos_np[n_tok:n][lengths] = slots.F_MAXSEQ * R  # (a row vLLM does not read)
+
+
+# negative controls of the patched differential: each corrupts one kind of
+# element the mirror ships, just before the copy
+SABOTAGE = {"tokens": _zero_token_values, "engine-lengths": _zero_engine_lengths, "lengths": _drop_length_rows}
+
+
+def sabotage(kind: str) -> None:
+    from mtpstate.mirror import DeviceMirror
+
+    ship, corrupt = DeviceMirror._ship, SABOTAGE[kind]
+
+    def corrupted(mirror, slot, n, n_tok):
+        corrupt(mirror, slot, n, n_tok)
+        ship(mirror, slot, n, n_tok)
+
+    DeviceMirror._ship = corrupted
+
+
 def run_patched(w: Workload, model_dir: str) -> dict:
     """With the patched vLLM source on the path: the runner's own methods with
     mtpstate switched on (``ModelRunnerV2State``) against the same methods
@@ -1034,9 +1072,16 @@ def main(argv=None) -> int:
     )
     p.add_argument("--bench", action="store_true", help="paired timing instead of the differential")
     p.add_argument("--patched", action="store_true", help="the patched runner (mtpstate on) against itself off")
+    p.add_argument(
+        "--sabotage",
+        choices=sorted(SABOTAGE),
+        help="with --patched: break what the mirror ships to vLLM's tensors (a negative control: must disagree)",
+    )
     p.add_argument("--json", metavar="FILE")
     args = p.parse_args(argv)
     install_cpu_shims()
+    if args.sabotage:
+        sabotage(args.sabotage)
     model_dir = write_model_dir()
     table = {**WORKLOADS, **BENCH_WORKLOADS}
     names = args.workload or sorted(BENCH_WORKLOADS if args.bench else WORKLOADS)

@@ -37,6 +37,22 @@ def test_patched_runner_agrees():
         assert r["steps"] > 0 and r["disagreements"] == 0, r
 
 
+@pytest.mark.skipif(not PATCHED, reason="run through `make test-vllm` (it applies the patch)")
+@pytest.mark.parametrize("kind", sorted(harness.SABOTAGE))
+def test_patched_differential_can_fail(kind):
+    """Negative controls: the mirror's copy corrupted (new requests' token
+    ids zeroed; total_len / device num_computed_tokens zeroed; prefill/prompt
+    lengths not shipped) must show up as disagreements with vLLM."""
+    env = dict(os.environ, PYTHONPATH=PATCHED, VLLM_LOGGING_LEVEL="ERROR")
+    cmd = [sys.executable, os.path.join(HERE, "harness.py"), "--patched", "--sabotage", kind]
+    cmd += ["--workload", "sync-spec3-chunked", "--steps", "30"]
+    p = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
+    results = [json.loads(line) for line in p.stdout.splitlines() if line.startswith("{")]
+    assert len(results) == 1 and results[0]["steps"] == 30, p.stderr[-3000:]
+    assert results[0]["disagreements"] > 0, results
+    assert p.returncode == 1
+
+
 def test_patch_applies_to_pristine_source():
     src = os.path.join(os.environ["PYTHONPATH"].split(os.pathsep)[0])
     p = subprocess.run(
