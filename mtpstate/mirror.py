@@ -237,26 +237,26 @@ class DeviceMirror:
             ctx = self.table._ctx
             ctx[T.TB_STG_POS], ctx[T.TB_STG_VAL], ctx[T.TB_STG_CAP] = slot.addrs
             ctx[T.TB_STG_ON] = 1
-        self.table._ctx[T.TB_STG_N] = 0
+        self.table._cv[T.TB_STG_N] = 0
 
     def abort_step(self):
         """Close a step that will ship nothing (rejected, or already ended)."""
         if self._open is not None:
             self._open = None
-            self.table._ctx[T.TB_STG_ON] = 0
+            self.table._cv[T.TB_STG_ON] = 0
 
     def end_step(self, n: int, n_tok: int = 0, deduplicate: bool = False):
         """Ship the first ``n`` staged elements of the open slot (of which
         the first ``n_tok`` are token ids for the token target) and scatter
         them into the device tensors; returns without waiting."""
         if n == 0:  # nothing to ship: the slot stays open for the next step
-            self.table._ctx[T.TB_STG_N] = 0
+            self.table._cv[T.TB_STG_N] = 0
             self._last = _SHIPPED_NOTHING
             return
         slot = self._open
         self._open = None
         self._next = (self._next + 1) % len(self._slots)
-        self.table._ctx[T.TB_STG_ON] = 0  # nothing is staged between steps
+        self.table._cv[T.TB_STG_ON] = 0  # nothing is staged between steps
         if deduplicate:  # the same element written twice in one step: keep the last write
             p = slot.pos_np[n_tok:n][::-1]
             _, first = np.unique(p, return_index=True)

@@ -299,7 +299,7 @@ class StepResult:
         """The step's batch, as vLLM's ``gather_batch_req_state`` builds it,
         or None when the table has no ``decode_query_len`` or the step no
         ``num_scheduled_tokens``."""
-        n = int(self._ctx[T.TB_B_N])
+        n = self._ctx[T.TB_B_N]
         if n < 0:
             return None
         b = self._batch
@@ -413,7 +413,7 @@ class BatchReqState:
 
     @property
     def num_tokens(self) -> int:
-        return int(self._ctx[T.TB_B_NUM_TOKENS])
+        return self._ctx[T.TB_B_NUM_TOKENS]
 
     @property
     def num_draft_tokens_np(self) -> np.ndarray | None:
@@ -433,7 +433,7 @@ class BatchReqState:
 
     @property
     def max_query_len(self) -> int:
-        return int(self._ctx[T.TB_B_MAX_QUERY])
+        return self._ctx[T.TB_B_MAX_QUERY]
 
     FIELDS = (
         "req_ids",
@@ -701,8 +701,13 @@ class RequestTable:
         c[T.TB_B_N] = -1
         self._b_holder = [[]]  # the kernel puts each step's req_ids list here
         c[T.TB_B_HOLDER] = id(self._b_holder)
-        self._batch = BatchReqState(c, self._b, self._b_idx, self._b_bool, self._b_holder) if decode_query_len else None
-        self._result = StepResult(self._res, c, R, self._batch)
+        # the same memory as Python ints: what the Python side reads and writes
+        # every step (a numpy scalar per access costs several times more)
+        cv = self._cv = memoryview(c)
+        self._batch = None
+        if decode_query_len:
+            self._batch = BatchReqState(cv, self._b, self._b_idx, self._b_bool, self._b_holder)
+        self._result = StepResult(self._res, cv, R, self._batch)
         # staging slots stay 0 (off, no buffer) unless a device mirror opens a step
         self._ix_addr = self._index._ctx_addr
         self._tb_addr = int(c.ctypes.data)
@@ -898,14 +903,14 @@ class RequestTable:
         status = tb_apply(self._ix_addr, self._tb_addr, id(args))
         if mirror is not None:
             if status == K.OK:
-                ctx = self._ctx
-                mirror.end_step(int(ctx[T.TB_STG_N]), int(ctx[T.TB_STG_TOK_N]), bool(ctx[T.TB_STG_DUPS]))
+                cv = self._cv
+                mirror.end_step(cv[T.TB_STG_N], cv[T.TB_STG_TOK_N], cv[T.TB_STG_DUPS] != 0)
             else:
                 mirror.abort_step()
         return status
 
     def _check_batch(self) -> None:
-        if self._ctx[T.TB_B_N] == -2:
+        if self._cv[T.TB_B_N] == -2:
             raise MemoryError("mtpstate: no memory for the batch's req_ids list (the step itself was applied)")
 
     def _launch(self, b: _Step) -> None:
