@@ -1015,6 +1015,74 @@ def _bench_runner(w, model_dir, repeats):
     }
 
 
+def breakdown_workload(w: Workload, model_dir: str, repeats: int = 3) -> dict:
+    """Where the patched side's host time goes: the runner's methods one by
+    one, and ``RequestTable.apply`` inside ``add_requests``, medians in us,
+    with vLLM's side (off) run before each step as in the benchmark (the
+    staging's device launches no-op'd, as there)."""
+    from vllm.config.compilation import CUDAGraphMode
+    from vllm.v1.worker.gpu import buffer_utils
+    from vllm.v1.worker.gpu.cudagraph_utils import BatchExecutionDescriptor
+
+    from mtpstate.mirror import DeviceMirror
+
+    buffer_utils._apply_write_kernel = _NoLaunch()
+    DeviceMirror._ship = _no_ship
+    drv = Driver(w, model_dir)
+    blobs = [pickle.dumps(so) for so in drv.steps()]
+    args = (w.max_num_seqs, w.max_model_len, w.max_num_batched_tokens, drv.block_sizes, w.num_spec)
+    out: dict = {}
+    for _ in range(repeats):
+        off, on = MRV2Reference(*args), MRV2Reference(*args, use_mtpstate=True)
+        R, table = on._runner, on.mtp.table
+        inner = []
+        apply = table.apply
+
+        def timed_apply(so, apply=apply, inner=inner):
+            t0 = time.perf_counter()
+            r = apply(so)
+            inner.append(time.perf_counter() - t0)
+            return r
+
+        table.apply = timed_apply
+        for i, b in enumerate(blobs):
+            so_off, so = pickle.loads(b), pickle.loads(b)
+            off.host_step(so_off)
+            t = [time.perf_counter()]
+            R.finish_requests(on, so)
+            t.append(time.perf_counter())
+            R.free_states(on, so)
+            R.add_requests(on, so)
+            t.append(time.perf_counter())
+            R.update_requests(on, so)
+            on.block_tables.apply_staged_writes()
+            t.append(time.perf_counter())
+            batch = on.gather(so)
+            t.append(time.perf_counter())
+            desc = BatchExecutionDescriptor(cg_mode=CUDAGraphMode.NONE, num_tokens=batch.num_tokens, num_reqs=None)
+            ib = R.prepare_inputs(on, so, batch, desc, 0)
+            t.append(time.perf_counter())
+            R.prepare_attn(on, ib)
+            t.append(time.perf_counter())
+            if i < 10 or (w.name.startswith("steady") and not _quiet(so)):
+                inner.clear()
+                continue
+            names = (
+                "finish_requests",
+                "add_requests",
+                "update_requests+apply_staged_writes",
+                "gather",
+                "prepare_inputs",
+                "prepare_attn",
+            )
+            for k, name in enumerate(names):
+                out.setdefault(name, []).append(t[k + 1] - t[k])
+            out.setdefault("  of add_requests: RequestTable.apply", []).extend(inner)
+            out.setdefault("total", []).append(t[-1] - t[0])
+            inner.clear()
+    return {"workload": w.name, "breakdown_us": {k: statistics.median(v) * 1e6 for k, v in out.items()}}
+
+
 def _torch_op_counts(w, block_sizes, blobs, timed) -> dict:
     """torch operator calls per step (a TorchDispatchMode counter, in a pass
     of its own: counting slows the calls) on each side, over the timed part
@@ -1073,6 +1141,9 @@ def main(argv=None) -> int:
     p.add_argument("--bench", action="store_true", help="paired timing instead of the differential")
     p.add_argument("--patched", action="store_true", help="the patched runner (mtpstate on) against itself off")
     p.add_argument(
+        "--breakdown", action="store_true", help="with --bench --patched: the patched side's time by runner method"
+    )
+    p.add_argument(
         "--sabotage",
         choices=sorted(SABOTAGE),
         help="with --patched: break what the mirror ships to vLLM's tensors (a negative control: must disagree)",
@@ -1091,7 +1162,9 @@ def main(argv=None) -> int:
         if args.scale_steps is not None:
             w = replace(w, steps=min(w.steps * args.scale_steps // 400, args.scale_steps))
         t0 = time.perf_counter()
-        if args.bench:
+        if args.bench and args.breakdown:
+            r = breakdown_workload(w, model_dir)
+        elif args.bench:
             r = bench_workload(w, model_dir, patched=args.patched)
         elif args.patched:
             r = run_patched(w, model_dir)
