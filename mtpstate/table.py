@@ -1232,6 +1232,18 @@ class RequestTable:
             raise StateError("this table has no device mirror (pass device=...)")
         return self._mirror.tensors
 
+    def upload_rows(self, rows, purpose: str = "rows"):
+        """Row numbers (e.g. a batch's ``idx_mapping_np``) as an int64 tensor
+        on the mirror's device: one non-blocking copy on the current stream
+        from a ring of persistent pinned buffers kept per ``purpose`` (no
+        pinned allocation per call; each buffer is refilled only after its
+        last copy completed). The tensor is valid for ``ring_depth`` calls
+        with the same ``purpose``; StateError without a device mirror or for
+        more rows than ``max_num_reqs``."""
+        if self._mirror is None:
+            raise StateError("this table has no device mirror (pass device=...)")
+        return self._mirror.upload_rows(np.asarray(rows), purpose)
+
     def synchronize(self) -> None:
         """Wait until every launched copy has landed."""
         if self._mirror is not None:

@@ -316,6 +316,9 @@ def test_upload_rows_ring():
     assert again.data_ptr() == outs[0].data_ptr() and again.tolist() == [5, 6, 7]
     with pytest.raises(StateError, match="max_num_reqs"):
         m.upload_rows(np.arange(9))
+    assert t.upload_rows([3, 4]).tolist() == [3, 4]  # the table's public entry
+    with pytest.raises(StateError, match="no device mirror"):
+        RequestTable(max_num_reqs=2, max_model_len=8).upload_rows([0])
 
 
 @pytest.mark.cuda
