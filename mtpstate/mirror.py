@@ -101,8 +101,9 @@ class DeviceMirror:
         the device's address space, as vLLM's UVA ``all_token_ids``): new
         requests' prefill token ids are scattered into it from the step's
         copy, in stream order, instead of into a mirrored ``token_ids``
-        (implies ``token_ids_on_device=False``; the table's host
-        ``token_ids`` is then plain host memory).
+        (implies ``token_ids_on_device=False``). The table then keeps no
+        host copy of the token ids (``RequestTable.token_ids`` is None):
+        the target, which can be several GB, is the only one.
     """
 
     def __init__(
@@ -154,10 +155,15 @@ class DeviceMirror:
         self._last = {"bytes": 0, "copies": 0}
         self._rows_rings = {}
 
-    # the table asks for this before it allocates its own token_ids
+    # the table asks for these before it allocates its own token_ids
     @property
     def host_token_ids(self):
         return None if self._host_tok_tensor is None else self._host_tok_tensor.numpy()
+
+    @property
+    def keeps_host_token_ids(self) -> bool:
+        """False when an engine's tensor is the only copy of the token ids."""
+        return self._tok_target is None
 
     def attach(self):
         """Lay out the flat device tensor and copy the current host state

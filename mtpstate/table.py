@@ -666,17 +666,20 @@ class RequestTable:
         self._b_obj = np.zeros((T.BO_ROWS, nb), np.int64)  # [BO_ROWS, max_num_reqs]
         self._mirror = None
         token_ids = None
+        host_tokens = True
         if device is not None:
             from mtpstate.mirror import DeviceMirror
 
             self._mirror = DeviceMirror(self, device, **(mirror_options or {}))
             token_ids = self._mirror.host_token_ids
-        self.token_ids = (
-            token_ids if token_ids is not None else np.zeros((R, L), np.int32)
-        )  # [max_num_reqs, max_model_len]
+            host_tokens = self._mirror.keeps_host_token_ids
+        if token_ids is None and host_tokens:
+            token_ids = np.zeros((R, L), np.int32)
+        self.token_ids = token_ids  # [max_num_reqs, max_model_len]; None: the mirror's token target only
         if prefault:
             for a in (self._state, self.token_ids, *self.block_tables, self._scratch):
-                a.fill(0)
+                if a is not None:
+                    a.fill(0)
 
         c = self._ctx = np.zeros(T.TB_SIZE, np.int64)
         c[T.TB_STATE] = self._state.ctypes.data
@@ -684,7 +687,7 @@ class RequestTable:
         c[T.TB_NG] = ng
         c[T.TB_BT_ADDR] = self._bt_addr.ctypes.data
         c[T.TB_BT_W] = self._bt_w.ctypes.data
-        c[T.TB_TOK] = self.token_ids.ctypes.data
+        c[T.TB_TOK] = 0 if self.token_ids is None else self.token_ids.ctypes.data
         c[T.TB_L] = L
         c[T.TB_PREV_OBJ] = self._prev_obj.ctypes.data
         c[T.TB_PREV_ROW] = self._prev_row.ctypes.data

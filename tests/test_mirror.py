@@ -252,6 +252,7 @@ def test_engine_targets_follow_every_step(knobs, steps, generic):
     d = t.device_tensors
     assert d.num_computed_tokens is None and d.max_seq_len is None and d.num_computed_prefill_tokens is None
     assert d.token_ids is not None and d.token_ids.data_ptr() == target.data_ptr()
+    assert t.token_ids is None  # no host copy: the engine's tensor is the only one
     seeded = {}  # row -> (prefill tokens, num_computed_tokens) of its last add
     rng = np.random.default_rng(knobs["seed"])
     for so in sim.run(steps):

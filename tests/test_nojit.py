@@ -64,3 +64,30 @@ def test_batch_differential_nojit():
 
     warm, timed = vllm_busy(12, steps=6, seed=1)
     drive(timed, 12, dql=4, fresh=True, warm=warm)
+
+
+def test_engine_mirror_nojit():
+    """The engine configuration of the mirror (token ids staged for an
+    external target with no host copy, engine lengths, a field mask) as plain
+    Python: checked against what each added row seeded."""
+    torch = pytest.importorskip("torch")
+    import numpy as np
+
+    from mtpstate import RequestTable
+    from mtpstate.tools.sim import Simulator
+
+    R, L = 8, 128
+    sim = Simulator(max_num_reqs=R, max_model_len=L, num_spec=2, preempt_prob=0.2, prompt_len=(1, 40), seed=3)
+    target = torch.full((R, L), -1, dtype=torch.int32)
+    opts = {"fields": ("prefill_len", "prompt_len", "num_blocks"), "engine_lengths": True, "token_ids_target": target}
+    t = RequestTable(max_num_reqs=R, max_model_len=L, device="cpu", mirror_options=opts)
+    d = t.device_tensors
+    for so in sim.run(20):
+        res = t.apply(so)
+        for r, row in zip(so.scheduled_new_reqs, res.new_rows.tolist()):
+            tokens = list(r.prefill_token_ids or r.prompt_token_ids)
+            assert target[row, : len(tokens)].tolist() == tokens
+            assert int(d.total_len[row]) == len(tokens)
+            assert int(d.engine_num_computed_tokens[row]) == r.num_computed_tokens
+        np.testing.assert_array_equal(d.prefill_len.numpy(), t.prefill_len)
+        np.testing.assert_array_equal(d.block_tables[0].numpy(), t.block_tables[0])

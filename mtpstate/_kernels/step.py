@@ -746,7 +746,8 @@ def _general(ixc, tbc, fin, pre, new, cid, cnct_kind, cnct, cnct_n, cblk, cres, 
     state = view_i32(tb[TB_STATE], (F_NB + ng) * R)
     bt_addr = view_i64(tb[TB_BT_ADDR], ng)
     bt_w = view_i64(tb[TB_BT_W], ng)
-    tok = view_i32(tb[TB_TOK], R * L)
+    tok_host = tb[TB_TOK] != 0  # 0: no host copy (the mirror's token target is the only one)
+    tok = view_i32(tb[TB_TOK], R * L if tok_host else 0)
     cur = tb[TB_PREV_CUR]
     prev_n = tb[TB_PREV_N]
     scr = view_i32(tb[TB_SCR], (S_NB0 + ng) * R)
@@ -1116,7 +1117,9 @@ def _general(ixc, tbc, fin, pre, new, cid, cnct_kind, cnct, cnct_n, cblk, cres, 
         tn, st = _int_of(_item(i_new, d + N_TOK_N), tp)
         vk, vb, npf, st = _vec(tkind, taddr, tn, tp, array_ok)
         tbase = np.int64(r) * L
-        if vk == V_I32:  # int32 tokens (vLLM's TokenBuffer): a plain copy
+        if not tok_host:
+            pass
+        elif vk == V_I32:  # int32 tokens (vLLM's TokenBuffer): a plain copy
             for t in range(npf):
                 st32(tb[TB_TOK], tbase + t, ld32(vb, t))
         else:
@@ -1131,7 +1134,11 @@ def _general(ixc, tbc, fin, pre, new, cid, cnct_kind, cnct, cnct_n, cblk, cres, 
         elif staging and tok_ext:
             for t in range(npf):
                 stg_pos[nt] = tbase + t
-                stg_val[nt] = tok[tbase + t]
+                if tok_host:
+                    stg_val[nt] = tok[tbase + t]
+                else:  # (validated in pass 1)
+                    v, st = _vget(vk, vb, t, tp)
+                    stg_val[nt] = v
                 nt += 1
         state[F_NCT * R + r] = nct
         state[F_NCPT * R + r] = min(nct, npf)
