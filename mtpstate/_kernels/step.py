@@ -14,8 +14,11 @@ it:
   step would leave it, pass 2 mutates.
 
 Either way, nothing is left changed by a rejected step. Every changed
-element is also appended (flat position, value) to the staging buffers of
-the device mirror when that is on, and the rows of the step (cached, new,
+element of a mirrored field (``TB_STG_FIELDS``) is also appended (flat
+position, value) to the staging buffers of the device mirror when that is
+on (with an engine's token target, the step's new token ids go first, at
+positions in that target, then everything else; added rows also seed the
+engine's lengths, ``TB_FLAT_ENG``), and the rows of the step (cached, new,
 freed) are written to the result array the Python side exposes.
 """
 
