@@ -141,7 +141,9 @@ class ModelRunnerV2State:
         bt.init_block_table_layout_tensors()  # the kernels' pointer/stride tables
         self._idx_ring = self._mirror.rows_ring("idx_mapping")
         rs.external_rows = True  # the patched RequestState keeps no free list
-        self._freeing: list[str] = []
+        # ids finish() freed through the runner's hooks, for apply(); None: a
+        # decode step (nobody leaves), applied as the scheduler sent it
+        self._freeing: list[str] | None = []
 
     # -- the three runner methods ---------------------------------------------
 
