@@ -185,17 +185,19 @@ class DeviceMirror:
         if self.token_ids_on_device:
             tok_off = off
             off += R * L
-        mask = 0
+        # per state row (F_*, num_blocks rows included): mirrored or not
+        mirrored = [False] * (T.F_NB + ng)
         for name in self.fields:
-            rows = range(T.F_NB, T.F_NB + ng) if name == "num_blocks" else (_FIELD_ROWS[name],)
-            for f in rows:
-                mask |= 1 << f
+            for f in range(T.F_NB, T.F_NB + ng) if name == "num_blocks" else (_FIELD_ROWS[name],):
+                mirrored[f] = True
+        mask = sum(1 << f for f, on in enumerate(mirrored) if on)
+        # (the array entry point's filter: past the state rows, block tables, always)
+        self._mirrored_rows = np.array([*mirrored, True], bool)
         ctx = t._ctx
         ctx[T.TB_FLAT_TOK] = tok_off
         ctx[T.TB_FLAT_ENG] = eng_off
         ctx[T.TB_TOK_EXT] = int(self._tok_target is not None)
         ctx[T.TB_STG_FIELDS] = mask
-        self._field_mask = mask
         self._flat = torch.zeros(off, dtype=torch.int32, device=self.device)  # [total elements]
         host = [t._state.reshape(-1), *(bt.reshape(-1) for bt in t.block_tables)]
         if self.engine_lengths:
@@ -303,10 +305,8 @@ class DeviceMirror:
         (flat positions, values) pairs; fields not mirrored are dropped."""
         pos = np.concatenate([np.asarray(p, np.int64) for p, _ in staged])
         val = np.concatenate([np.asarray(v, np.int32) for _, v in staged])
-        nf = T.F_NB + self.table.num_groups
-        # per state row: mirrored or not; past the state (block tables): always
-        mirrored = np.array([(self._field_mask >> f) & 1 for f in range(nf)] + [1], bool)
-        keep = mirrored[np.minimum(pos // self.table.max_num_reqs, nf)]
+        rows = self._mirrored_rows
+        keep = rows[np.minimum(pos // self.table.max_num_reqs, len(rows) - 1)]
         pos, val = pos[keep], val[keep]
         self.begin_step()
         if len(pos) > len(self._open.pos_np):

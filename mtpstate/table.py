@@ -1228,12 +1228,15 @@ class RequestTable:
 
     # -- device mirror -----------------------------------------------------
 
+    def _device_mirror(self):
+        if self._mirror is None:
+            raise StateError("this table has no device mirror (pass device=...)")
+        return self._mirror
+
     @property
     def device_tensors(self):
         """torch tensors on ``device`` with the host arrays' names and shapes."""
-        if self._mirror is None:
-            raise StateError("this table has no device mirror (pass device=...)")
-        return self._mirror.tensors
+        return self._device_mirror().tensors
 
     def upload_rows(self, rows, purpose: str = "rows"):
         """Row numbers (e.g. a batch's ``idx_mapping_np``) as an int64 tensor
@@ -1243,9 +1246,7 @@ class RequestTable:
         last copy completed). The tensor is valid for ``ring_depth`` calls
         with the same ``purpose``; StateError without a device mirror or for
         more rows than ``max_num_reqs``."""
-        if self._mirror is None:
-            raise StateError("this table has no device mirror (pass device=...)")
-        return self._mirror.upload_rows(np.asarray(rows), purpose)
+        return self._device_mirror().upload_rows(np.asarray(rows), purpose)
 
     def synchronize(self) -> None:
         """Wait until every launched copy has landed."""

@@ -89,3 +89,37 @@ def run_differential(cfg, steps, **knobs):
         fast.apply(so)
         loop.apply(so)
         assert_tables_agree(fast, loop)
+
+
+# the device mirror as the vLLM adapter configures it (mtpstate.integrations.vllm)
+ENGINE_FIELDS = ("prefill_len", "prompt_len", "num_blocks")
+
+
+def engine_mirror_options(target, **extra) -> dict:
+    """Mirror options: only ENGINE_FIELDS, the engine's lengths, new token
+    ids scattered into ``target``; ``extra``: ring depth, capacity, ..."""
+    return {"fields": ENGINE_FIELDS, "engine_lengths": True, "token_ids_target": target, **extra}
+
+
+class EngineSeeds:
+    """What each row's last add must have seeded into an engine's tensors
+    (its token ids, total_len and num_computed_tokens), which nothing else
+    writes: record every applied step, then check the device side."""
+
+    def __init__(self):
+        self.rows = {}  # row -> (prefill token ids, num_computed_tokens)
+
+    def record(self, so, res) -> None:
+        for r, row in zip(so.scheduled_new_reqs, res.new_rows.tolist()):
+            self.rows[row] = (list(r.prefill_token_ids or r.prompt_token_ids), r.num_computed_tokens)
+
+    def check(self, table, target) -> None:
+        d = table.device_tensors
+        rows = sorted(self.rows)
+        # one device -> host copy per tensor (in stream order on a GPU)
+        tok, total, nct = target[rows].cpu(), d.total_len[rows].cpu(), d.engine_num_computed_tokens[rows].cpu()
+        for k, row in enumerate(rows):
+            tokens, n_computed = self.rows[row]
+            assert tok[k, : len(tokens)].tolist() == tokens, f"row {row}: token ids"
+            assert int(total[k]) == len(tokens), f"row {row}: total_len"
+            assert int(nct[k]) == n_computed, f"row {row}: num_computed_tokens"

@@ -3,7 +3,7 @@ transfer volume of a steady decode step; CUDA-only checks (marked ``cuda``)."""
 
 import numpy as np
 import pytest
-from helpers import SIM_KNOBS, genericize
+from helpers import ENGINE_FIELDS, SIM_KNOBS, EngineSeeds, engine_mirror_options, genericize
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -224,18 +224,13 @@ def test_cuda_ring_reuse_stress(depth):
 # added row, new requests' tokens scattered into its tensor, row uploads
 
 
-def _engine_table(R, L, block_sizes, target):
+def _engine_table(R, L, block_sizes, target, device="cpu", **options):
     return RequestTable(
         max_num_reqs=R,
         max_model_len=L,
         block_sizes=block_sizes,
-        device="cpu",
-        mirror_options={
-            "fields": ("prefill_len", "prompt_len", "num_blocks"),
-            "engine_lengths": True,
-            "token_ids_target": target,
-            "staging_capacity": 8,
-        },
+        device=device,
+        mirror_options=engine_mirror_options(target, **options),
     )
 
 
@@ -248,26 +243,20 @@ def test_engine_targets_follow_every_step(knobs, steps, generic):
     R, L = knobs["max_num_reqs"], 200
     sim = Simulator(**{**knobs, "max_num_reqs": R, "max_model_len": L}, prompt_len=(1, 60), output_len=(1, 40))
     target = torch.full((R, L), -1, dtype=torch.int32)
-    t = _engine_table(R, L, knobs["block_sizes"], target)
+    t = _engine_table(R, L, knobs["block_sizes"], target, staging_capacity=8)
     d = t.device_tensors
     assert d.num_computed_tokens is None and d.max_seq_len is None and d.num_computed_prefill_tokens is None
     assert d.token_ids is not None and d.token_ids.data_ptr() == target.data_ptr()
     assert t.token_ids is None  # no host copy: the engine's tensor is the only one
-    seeded = {}  # row -> (prefill tokens, num_computed_tokens) of its last add
+    seeds = EngineSeeds()
     rng = np.random.default_rng(knobs["seed"])
     for so in sim.run(steps):
-        res = t.apply(genericize(so, rng) if generic else so)
-        for r, row in zip(so.scheduled_new_reqs, res.new_rows.tolist()):
-            seeded[row] = (list(r.prefill_token_ids or r.prompt_token_ids), r.num_computed_tokens)
-        for name in ("prefill_len", "prompt_len", "num_blocks"):
+        seeds.record(so, t.apply(genericize(so, rng) if generic else so))
+        for name in ENGINE_FIELDS:
             np.testing.assert_array_equal(getattr(d, name).numpy(), getattr(t, name), err_msg=name)
         for g, bt in enumerate(t.block_tables):
             np.testing.assert_array_equal(d.block_tables[g].numpy(), bt)
-        for row, (tokens, nct) in seeded.items():
-            n = len(tokens)
-            assert target[row, :n].tolist() == tokens
-            assert int(d.total_len[row]) == n
-            assert int(d.engine_num_computed_tokens[row]) == nct
+        seeds.check(t, target)
     assert t.transfer_stats()["copies"] in (0, 2)
 
 
@@ -277,7 +266,7 @@ def test_unmirrored_fields_are_not_staged():
     n = 64
     setup, timed = steady_decode(n, steps=3)
     target = torch.zeros((n, 16384), dtype=torch.int32)
-    lean = _engine_table(n, 16384, (16,), target)
+    lean = _engine_table(n, 16384, (16,), target, staging_capacity=8)
     full = RequestTable(max_num_reqs=n, max_model_len=16384, device="cpu")
     for so in setup:
         lean.apply(so)
@@ -347,31 +336,14 @@ def test_cuda_engine_targets_under_held_back_copies(depth):
         seed=depth,
     )
     target = torch.full((R, L), -1, dtype=torch.int32, device="cuda")
-    t = RequestTable(
-        max_num_reqs=R,
-        max_model_len=L,
-        device="cuda",
-        mirror_options={
-            "ring_depth": depth,
-            "fields": ("prefill_len", "prompt_len", "num_blocks"),
-            "engine_lengths": True,
-            "token_ids_target": target,
-        },
-    )
+    t = _engine_table(R, L, (16,), target, device="cuda", ring_depth=depth)
     d, stream = t.device_tensors, t._mirror._stream
-    seeded = {}
+    seeds = EngineSeeds()
     for so in sim.run(200):
         if rng.random() < 0.5:
             with torch.cuda.stream(stream):
                 torch.cuda._sleep(rng.randrange(100_000, 2_000_000))
-        res = t.apply(so)
-        for r, row in zip(so.scheduled_new_reqs, res.new_rows.tolist()):
-            seeded[row] = (list(r.prefill_token_ids or r.prompt_token_ids), r.num_computed_tokens)
-        rows = sorted(seeded)
-        tok, tl, nct = target[rows].cpu(), d.total_len[rows].cpu(), d.engine_num_computed_tokens[rows].cpu()
-        for k, row in enumerate(rows):
-            tokens, n_c = seeded[row]
-            assert tok[k, : len(tokens)].tolist() == tokens
-            assert int(tl[k]) == len(tokens) and int(nct[k]) == n_c
+        seeds.record(so, t.apply(so))
+        seeds.check(t, target)
         np.testing.assert_array_equal(d.num_blocks.cpu().numpy(), t.num_blocks)
         np.testing.assert_array_equal(d.block_tables[0].cpu().numpy(), t.block_tables[0])

@@ -72,6 +72,7 @@ def test_engine_mirror_nojit():
     Python: checked against what each added row seeded."""
     torch = pytest.importorskip("torch")
     import numpy as np
+    from helpers import EngineSeeds, engine_mirror_options
 
     from mtpstate import RequestTable
     from mtpstate.tools.sim import Simulator
@@ -79,15 +80,11 @@ def test_engine_mirror_nojit():
     R, L = 8, 128
     sim = Simulator(max_num_reqs=R, max_model_len=L, num_spec=2, preempt_prob=0.2, prompt_len=(1, 40), seed=3)
     target = torch.full((R, L), -1, dtype=torch.int32)
-    opts = {"fields": ("prefill_len", "prompt_len", "num_blocks"), "engine_lengths": True, "token_ids_target": target}
-    t = RequestTable(max_num_reqs=R, max_model_len=L, device="cpu", mirror_options=opts)
+    t = RequestTable(max_num_reqs=R, max_model_len=L, device="cpu", mirror_options=engine_mirror_options(target))
     d = t.device_tensors
+    seeds = EngineSeeds()
     for so in sim.run(20):
-        res = t.apply(so)
-        for r, row in zip(so.scheduled_new_reqs, res.new_rows.tolist()):
-            tokens = list(r.prefill_token_ids or r.prompt_token_ids)
-            assert target[row, : len(tokens)].tolist() == tokens
-            assert int(d.total_len[row]) == len(tokens)
-            assert int(d.engine_num_computed_tokens[row]) == r.num_computed_tokens
+        seeds.record(so, t.apply(so))
+        seeds.check(t, target)
         np.testing.assert_array_equal(d.prefill_len.numpy(), t.prefill_len)
         np.testing.assert_array_equal(d.block_tables[0].numpy(), t.block_tables[0])

@@ -24,6 +24,7 @@ Run: ``python integrations/vllm/harness.py [--workload NAME] [--bench]``.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import ctypes
 import json
 import math
@@ -433,15 +434,19 @@ class MRV2Reference:
         """vLLM's own ``gather_batch_req_state`` for the step just applied."""
         return self._runner.gather_batch_req_state(self, so, False)[0]
 
-    def prepare(self, so, batch):
-        """The runner's ``prepare_inputs`` and ``prepare_attn`` for the
-        gathered batch (eager, no request padding: ``cudagraph`` dispatch is
-        the same on both sides and is left out). Returns the InputBatch."""
+    def inputs(self, so, batch):
+        """The runner's ``prepare_inputs`` for the gathered batch (eager, no
+        request padding: ``cudagraph`` dispatch is the same on both sides and
+        is left out). Returns the InputBatch."""
         from vllm.config.compilation import CUDAGraphMode
         from vllm.v1.worker.gpu.cudagraph_utils import BatchExecutionDescriptor
 
         desc = BatchExecutionDescriptor(cg_mode=CUDAGraphMode.NONE, num_tokens=batch.num_tokens, num_reqs=None)
-        ib = self._runner.prepare_inputs(self, so, batch, desc, 0)
+        return self._runner.prepare_inputs(self, so, batch, desc, 0)
+
+    def prepare(self, so, batch):
+        """``inputs`` and the runner's ``prepare_attn``. Returns the InputBatch."""
+        ib = self.inputs(so, batch)
         self._runner.prepare_attn(self, ib)
         return ib
 
@@ -856,20 +861,27 @@ def bench_workload(w: Workload, model_dir: str, repeats: int = 5, patched: bool 
     computed outside the timed region: both sides need it. ``patched``: the
     patched runner with mtpstate on against itself off, over the host part
     of ``execute_model`` up to the forward (``_bench_runner``)."""
+    with _staging_launches_as_no_ops():
+        return _bench_runner(w, model_dir, repeats) if patched else _bench(w, model_dir, repeats)
+
+
+@contextlib.contextmanager
+def _staging_launches_as_no_ops():
+    """The device step of the state staging is a launch on a GPU, on both
+    sides: vLLM's Triton write kernel, and the mirror's two copies and
+    scatter(s). Both are no-ops inside (counted as launches); what is timed
+    is everything up to them (vLLM's UVA staging, mtpstate's kernel
+    staging)."""
     from vllm.v1.worker.gpu import buffer_utils
 
     from mtpstate.mirror import DeviceMirror
 
-    # The device step of the state staging is a launch on a GPU, on both
-    # sides: vLLM's Triton write kernel, and the mirror's two copies and
-    # scatter(s). Both are no-ops here, counted as launches; timed is
-    # everything up to them (vLLM's UVA staging, mtpstate's kernel staging).
     emulated = buffer_utils._apply_write_kernel
     shipped = DeviceMirror._ship
     buffer_utils._apply_write_kernel = _NoLaunch()
     DeviceMirror._ship = _no_ship
     try:
-        return _bench_runner(w, model_dir, repeats) if patched else _bench(w, model_dir, repeats)
+        yield
     finally:
         buffer_utils._apply_write_kernel = emulated
         DeviceMirror._ship = shipped
@@ -885,6 +897,16 @@ def _quiet(so) -> bool:
     return not so.scheduled_new_reqs and not so.finished_req_ids and not so.preempted_req_ids
 
 
+def _recorded(w, model_dir):
+    """The workload's steps, recorded once from vLLM's scheduler: (pickled
+    steps, which of them are timed, the KV-cache groups' block sizes). A
+    ``steady-*`` workload times only the steps that add and finish nothing."""
+    drv = Driver(w, model_dir)
+    steps = list(drv.steps())
+    timed = [not w.name.startswith("steady") or _quiet(so) for so in steps]
+    return [pickle.dumps(so) for so in steps], timed, drv.block_sizes
+
+
 def _bench(w, model_dir, repeats):
     """Per step, interleaved: vLLM (finish/free_states/add/update_requests,
     apply_staged_writes, then gather_batch_req_state) against
@@ -893,15 +915,12 @@ def _bench(w, model_dir, repeats):
     ``steady-*`` workload times only the steps that add and finish nothing."""
     import mtpstate
 
-    drv = Driver(w, model_dir)
-    steps = list(drv.steps())
-    blobs = [pickle.dumps(so) for so in steps]
-    timed = [not w.name.startswith("steady") or _quiet(so) for so in steps]
-    kw = dict(max_num_reqs=w.max_num_seqs, max_model_len=w.max_model_len, block_sizes=drv.block_sizes)
+    blobs, timed, block_sizes = _recorded(w, model_dir)
+    kw = dict(max_num_reqs=w.max_num_seqs, max_model_len=w.max_model_len, block_sizes=block_sizes)
     dq = 1 + w.num_spec
     t_ref, t_ours, t_apply, running = [], [], [], []
     for _ in range(repeats):
-        args = (w.max_num_seqs, w.max_model_len, w.max_num_batched_tokens, drv.block_sizes, w.num_spec)
+        args = (w.max_num_seqs, w.max_model_len, w.max_num_batched_tokens, block_sizes, w.num_spec)
         ref = MRV2Reference(*args)
         ours = mtpstate.RequestTable(**kw, decode_query_len=dq)
         alone = mtpstate.RequestTable(**kw)
@@ -965,11 +984,8 @@ def _bench_runner(w, model_dir, repeats):
     ``execute_model`` up to the forward (``MRV2Reference.host_step``). A
     ``steady-*`` workload times only the steps that add and finish nothing.
     Also counts the torch operator calls per step on each side."""
-    drv = Driver(w, model_dir)
-    steps = list(drv.steps())
-    blobs = [pickle.dumps(so) for so in steps]
-    timed = [not w.name.startswith("steady") or _quiet(so) for so in steps]
-    args = (w.max_num_seqs, w.max_model_len, w.max_num_batched_tokens, drv.block_sizes, w.num_spec)
+    blobs, timed, block_sizes = _recorded(w, model_dir)
+    args = (w.max_num_seqs, w.max_model_len, w.max_num_batched_tokens, block_sizes, w.num_spec)
     times = {False: [], True: []}
     running, with_new = [], []
     for rep in range(repeats):
@@ -990,7 +1006,7 @@ def _bench_runner(w, model_dir, repeats):
     on = np.array(times[True])
     t_off, t_on = off.sum(axis=1), on.sum(axis=1)
     ratios = t_off / t_on
-    ops = _torch_op_counts(w, drv.block_sizes, blobs, timed)
+    ops = _torch_op_counts(w, block_sizes, blobs, timed)
     med = lambda a: float(np.median(a)) * 1e6  # noqa: E731  (us)
     return {
         "workload": w.name,
@@ -1017,69 +1033,59 @@ def _bench_runner(w, model_dir, repeats):
 
 def breakdown_workload(w: Workload, model_dir: str, repeats: int = 3) -> dict:
     """Where the patched side's host time goes: the runner's methods one by
-    one, and ``RequestTable.apply`` inside ``add_requests``, medians in us,
-    with vLLM's side (off) run before each step as in the benchmark (the
-    staging's device launches no-op'd, as there)."""
-    from vllm.config.compilation import CUDAGraphMode
-    from vllm.v1.worker.gpu import buffer_utils
-    from vllm.v1.worker.gpu.cudagraph_utils import BatchExecutionDescriptor
-
-    from mtpstate.mirror import DeviceMirror
-
-    buffer_utils._apply_write_kernel = _NoLaunch()
-    DeviceMirror._ship = _no_ship
-    drv = Driver(w, model_dir)
-    blobs = [pickle.dumps(so) for so in drv.steps()]
-    args = (w.max_num_seqs, w.max_model_len, w.max_num_batched_tokens, drv.block_sizes, w.num_spec)
+    one, and ``RequestTable.apply`` inside ``add_requests``, medians in us
+    over the timed steps after a 10-step warm-up, with vLLM's side (off) run
+    before each step as in the benchmark (the staging's device launches
+    no-op'd, as there)."""
+    blobs, timed, block_sizes = _recorded(w, model_dir)
+    args = (w.max_num_seqs, w.max_model_len, w.max_num_batched_tokens, block_sizes, w.num_spec)
+    names = (
+        "finish_requests",
+        "add_requests",
+        "update_requests+apply_staged_writes",
+        "gather",
+        "prepare_inputs",
+        "prepare_attn",
+    )
     out: dict = {}
-    for _ in range(repeats):
-        off, on = MRV2Reference(*args), MRV2Reference(*args, use_mtpstate=True)
-        R, table = on._runner, on.mtp.table
-        inner = []
-        apply = table.apply
+    with _staging_launches_as_no_ops():
+        for _ in range(repeats):
+            off, on = MRV2Reference(*args), MRV2Reference(*args, use_mtpstate=True)
+            R, table = on._runner, on.mtp.table
+            inner = []
 
-        def timed_apply(so, apply=apply, inner=inner):
-            t0 = time.perf_counter()
-            r = apply(so)
-            inner.append(time.perf_counter() - t0)
-            return r
+            def timed_apply(so, apply=table.apply, inner=inner):
+                t0 = time.perf_counter()
+                r = apply(so)
+                inner.append(time.perf_counter() - t0)
+                return r
 
-        table.apply = timed_apply
-        for i, b in enumerate(blobs):
-            so_off, so = pickle.loads(b), pickle.loads(b)
-            off.host_step(so_off)
-            t = [time.perf_counter()]
-            R.finish_requests(on, so)
-            t.append(time.perf_counter())
-            R.free_states(on, so)
-            R.add_requests(on, so)
-            t.append(time.perf_counter())
-            R.update_requests(on, so)
-            on.block_tables.apply_staged_writes()
-            t.append(time.perf_counter())
-            batch = on.gather(so)
-            t.append(time.perf_counter())
-            desc = BatchExecutionDescriptor(cg_mode=CUDAGraphMode.NONE, num_tokens=batch.num_tokens, num_reqs=None)
-            ib = R.prepare_inputs(on, so, batch, desc, 0)
-            t.append(time.perf_counter())
-            R.prepare_attn(on, ib)
-            t.append(time.perf_counter())
-            if i < 10 or (w.name.startswith("steady") and not _quiet(so)):
+            table.apply = timed_apply
+            for i, (b, keep) in enumerate(zip(blobs, timed)):
+                so_off, so = pickle.loads(b), pickle.loads(b)
+                off.host_step(so_off)
                 inner.clear()
-                continue
-            names = (
-                "finish_requests",
-                "add_requests",
-                "update_requests+apply_staged_writes",
-                "gather",
-                "prepare_inputs",
-                "prepare_attn",
-            )
-            for k, name in enumerate(names):
-                out.setdefault(name, []).append(t[k + 1] - t[k])
-            out.setdefault("  of add_requests: RequestTable.apply", []).extend(inner)
-            out.setdefault("total", []).append(t[-1] - t[0])
-            inner.clear()
+                t = [time.perf_counter()]
+                R.finish_requests(on, so)
+                t.append(time.perf_counter())
+                R.free_states(on, so)
+                R.add_requests(on, so)
+                t.append(time.perf_counter())
+                R.update_requests(on, so)
+                on.block_tables.apply_staged_writes()
+                t.append(time.perf_counter())
+                batch = on.gather(so)
+                t.append(time.perf_counter())
+                ib = on.inputs(so, batch)
+                t.append(time.perf_counter())
+                R.prepare_attn(on, ib)
+                t.append(time.perf_counter())
+                if i < 10 or not keep:
+                    continue
+                for k, name in enumerate(names):
+                    out.setdefault(name, []).append(t[k + 1] - t[k])
+                out.setdefault("  of add_requests: RequestTable.apply", []).extend(inner)
+                out.setdefault("total", []).append(t[-1] - t[0])
     return {"workload": w.name, "breakdown_us": {k: statistics.median(v) * 1e6 for k, v in out.items()}}
 
 

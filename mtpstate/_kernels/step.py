@@ -1120,28 +1120,26 @@ def _general(ixc, tbc, fin, pre, new, cid, cnct_kind, cnct, cnct_n, cblk, cres, 
         tn, st = _int_of(_item(i_new, d + N_TOK_N), tp)
         vk, vb, npf, st = _vec(tkind, taddr, tn, tp, array_ok)
         tbase = np.int64(r) * L
-        if not tok_host:
-            pass
-        elif vk == V_I32:  # int32 tokens (vLLM's TokenBuffer): a plain copy
-            for t in range(npf):
-                st32(tb[TB_TOK], tbase + t, ld32(vb, t))
-        else:
-            for t in range(npf):
-                v, st = _vget(vk, vb, t, tp)
-                tok[tbase + t] = v
+        if tok_host:
+            if vk == V_I32:  # int32 tokens (vLLM's TokenBuffer): a plain copy
+                for t in range(npf):
+                    st32(tb[TB_TOK], tbase + t, ld32(vb, t))
+            else:
+                for t in range(npf):
+                    v, st = _vget(vk, vb, t, tp)
+                    tok[tbase + t] = v
         if staging and flat_tok >= 0:
             for t in range(npf):
                 stg_pos[ns] = flat_tok + tbase + t
                 stg_val[ns] = tok[tbase + t]
                 ns += 1
         elif staging and tok_ext:
+            # an external target is the only copy (no host one): from the
+            # request's own tokens, validated in pass 1
             for t in range(npf):
+                v, st = _vget(vk, vb, t, tp)
                 stg_pos[nt] = tbase + t
-                if tok_host:
-                    stg_val[nt] = tok[tbase + t]
-                else:  # (validated in pass 1)
-                    v, st = _vget(vk, vb, t, tp)
-                    stg_val[nt] = v
+                stg_val[nt] = v
                 nt += 1
         state[F_NCT * R + r] = nct
         state[F_NCPT * R + r] = min(nct, npf)

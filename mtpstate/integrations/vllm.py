@@ -118,7 +118,6 @@ class ModelRunnerV2State:
         self._batch = None
         t = self.table
         d = t.device_tensors
-        self._mirror = t._mirror
         # the runner reads these every step; as views, apply's writes are theirs
         rs.num_computed_tokens_np = t.num_computed_tokens  # [max_num_reqs]
         rs.num_computed_prefill_tokens = t.num_computed_prefill_tokens  # [max_num_reqs]
@@ -139,7 +138,7 @@ class ModelRunnerV2State:
         for g, dev in enumerate(d.block_tables):  # [max_num_reqs, W_g] each
             bt.block_tables[g].gpu = dev
         bt.init_block_table_layout_tensors()  # the kernels' pointer/stride tables
-        self._idx_ring = self._mirror.rows_ring("idx_mapping")
+        self._idx_ring = t._mirror.rows_ring("idx_mapping")  # (kept: idx_mapping() runs every step)
         rs.external_rows = True  # the patched RequestState keeps no free list
         # ids finish() freed through the runner's hooks, for apply(); None: a
         # decode step (nobody leaves), applied as the scheduler sent it
@@ -187,7 +186,7 @@ class ModelRunnerV2State:
             if rs.num_speculative_steps > 0:
                 # the new rows' draft tokens zeroed in one op (vLLM: one
                 # draft_tokens[row].zero_() per new request)
-                rs.draft_tokens.index_fill_(0, self._mirror.upload_rows(rows, "new_rows"), 0)
+                rs.draft_tokens.index_fill_(0, self.table.upload_rows(rows, "new_rows"), 0)
         return res
 
     def accepts_request_id(self, req_id) -> bool:
