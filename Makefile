@@ -41,20 +41,25 @@ $(VSTAMP): pyproject.toml integrations/vllm/requirements.txt
 	$(VPY) integrations/vllm/fetch_vllm.py $(VLLM_DIR)
 	touch $(VSTAMP)
 
-# the worked patch, applied to a copy of the source (the patched-runner tests use it)
-$(VLLM_PATCHED)/.patched: $(VSTAMP) integrations/vllm/mtpstate-mrv2.patch
+# the patch the plugin applies in memory (mtpstate/integrations/vllm/mrv2.patch),
+# applied to a copy of the source tree: the upstream-PR form, for vLLM's own tests
+PATCH := mtpstate/integrations/vllm/mrv2.patch
+$(VLLM_PATCHED)/.patched: $(VSTAMP) $(PATCH)
 	rm -rf $(VLLM_PATCHED)
 	cp -r $(VLLM_SRC) $(VLLM_PATCHED)
-	patch -p1 --quiet -d $(VLLM_PATCHED) < integrations/vllm/mtpstate-mrv2.patch
+	patch -p1 --quiet -d $(VLLM_PATCHED) < $(PATCH)
 	touch $@
 
+# 1. vLLM's own worker / Model Runner V2 tests: without mtpstate, with the
+#    plugin, with the patch (the same tests must pass); 2. the differentials
+#    (bare table; the runner through the plugin) and the plugin's guard
 test-vllm: $(VSTAMP) $(VLLM_PATCHED)/.patched
+	$(VPY) integrations/vllm/vllm_own_tests.py $(VLLM_SRC) $(VLLM_PATCHED)
 	MTPSTATE_VLLM_PATCHED=$(CURDIR)/$(VLLM_PATCHED) $(VRUN) $(VPY) -m pytest -q -p no:cacheprovider integrations/vllm
 
-bench-vllm: $(VSTAMP) $(VLLM_PATCHED)/.patched
+bench-vllm: $(VSTAMP)
 	$(VRUN) $(VPY) integrations/vllm/harness.py --bench --json docs/bench-vllm.json
-	PYTHONPATH=$(CURDIR)/$(VLLM_PATCHED) VLLM_LOGGING_LEVEL=ERROR $(VPY) integrations/vllm/harness.py --bench --patched \
-	  --json docs/bench-vllm-patched.json
+	$(VRUN) $(VPY) integrations/vllm/harness.py --bench --runner --json docs/bench-vllm-runner.json
 
 # on a CUDA machine with torch, numba, pytest(-benchmark), hypothesis installed
 # (no network, no venv): cuda tests, ring-reuse stress, mirror bench; files

@@ -368,6 +368,7 @@ class _RowsRing:
 
     def __init__(self, torch, device, capacity, depth):
         self._torch = torch
+        self.device = device
         self.is_cuda = device.type == "cuda"
         self.host = [torch.empty(capacity, dtype=torch.int64, pin_memory=self.is_cuda) for _ in range(depth)]
         self.host_np = [h.numpy() for h in self.host]
@@ -395,8 +396,10 @@ class _RowsRing:
             return self.host[k][:n]
         out = self.dev[k][:n]
         out.copy_(self.host[k][:n], non_blocking=True)
+        # the copy runs on the destination device's current stream, which
+        # need not be the current device's: record there
         ev = self._torch.cuda.Event()
-        ev.record()
+        ev.record(self._torch.cuda.current_stream(self.device))
         self.events[k] = ev
         return out
 

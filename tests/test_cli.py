@@ -204,3 +204,18 @@ def test_no_notice_when_loaded_from_cache():
         [sys.executable, "-c", "import mtpstate; mtpstate.warmup()"], capture_output=True, text=True, timeout=120
     )
     assert p.returncode == 0 and p.stderr == ""
+
+
+def test_vllm_check_without_vllm(capsys, monkeypatch):
+    """No vLLM here: one line per fact, exit status 1, nothing raised; --json
+    for scripts. (`make test-vllm` runs it against vLLM 0.34.0.)"""
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "vllm" else real(name, *a))
+    rc, out, err = run_main(["vllm-check"], capsys)
+    assert rc == 1 and not err
+    assert "vLLM: not installed" in out and "would do nothing: vLLM is not installed" in out
+    rc, out, err = run_main(["vllm-check", "--json"], capsys)
+    facts = json.loads(out)
+    assert rc == 1 and facts["would_apply"] is False and facts["vllm"] is None

@@ -376,6 +376,34 @@ class _ModelState(_Null):
     num_new_sampled_tokens_per_step = 1
 
 
+def load_plugin() -> None:
+    """What every vLLM process does at start-up, with VLLM_USE_MTPSTATE=1:
+    vLLM's own ``load_general_plugins()``, which finds mtpstate's entry point
+    and patches Model Runner V2 (checked: the guard must have applied it)."""
+    os.environ["VLLM_USE_MTPSTATE"] = "1"
+    from vllm.plugins import load_general_plugins
+
+    load_general_plugins()
+    import vllm.v1.worker.gpu.model_runner  # noqa: F401  (patched on import)
+
+    from mtpstate.integrations.vllm import plugin
+
+    v = plugin.check()
+    if not (v.applied and v.ok):
+        raise RuntimeError(f"mtpstate's vLLM plugin did not apply: {v.problems or 'entry point not loaded'}")
+
+
+def vllm_methods(cls):
+    """vLLM's own methods of the runner class (the originals where the
+    plugin patched them), as a namespace to call with a runner object."""
+    from types import SimpleNamespace
+
+    out = {}
+    for name, fn in vars(cls).items():
+        out[name] = getattr(fn, "__mtpstate_original__", fn)
+    return SimpleNamespace(**out)
+
+
 class MRV2Reference:
     """The host side of vLLM 0.34's GPUModelRunner for one step: the real
     ``finish_requests``, ``add_requests`` and ``update_requests`` methods,
@@ -397,7 +425,8 @@ class MRV2Reference:
         self.lora_state = self.draft_tokens_handler = _Null()
         self.model_state = _ModelState()
         self.is_last_pp_rank = False  # the sampler's per-request state is not compared
-        self._runner = GPUModelRunner
+        # the runner's methods: as the plugin patched them (on), or vLLM's own (off)
+        self._runner = GPUModelRunner if use_mtpstate else vllm_methods(GPUModelRunner)
         # what prepare_inputs / prepare_attn read besides the request state
         from types import SimpleNamespace
 
@@ -413,11 +442,14 @@ class MRV2Reference:
         self.use_pp = False
         self.adaptive_verification = None
         self.pcp_manager = None
-        self.mtp = None  # the patched runner's switch (integrations/vllm/mtpstate-mrv2.patch)
+        # what the patched initialize_kv_cache sets (mtpstate's mrv2.patch)
+        self.mtpstate = None
         if use_mtpstate:
             from mtpstate.integrations.vllm import ModelRunnerV2State
 
-            self.mtp = ModelRunnerV2State(self)
+            if not getattr(GPUModelRunner.add_requests, "__mtpstate_patched__", False):
+                raise RuntimeError("the runner is not patched: call load_plugin() first")
+            self.mtpstate = ModelRunnerV2State.for_runner(self)
 
     def apply(self, so) -> None:
         R = self._runner
@@ -805,19 +837,15 @@ def sabotage(kind: str) -> None:
     DeviceMirror._ship = corrupted
 
 
-def run_patched(w: Workload, model_dir: str) -> dict:
-    """With the patched vLLM source on the path: the runner's own methods with
-    mtpstate switched on (``ModelRunnerV2State``) against the same methods
-    with it off (vLLM's original code paths), compared after every step:
+def run_runner_differential(w: Workload, model_dir: str) -> dict:
+    """vLLM's unpatched source, mtpstate applied by its plugin through vLLM's
+    own ``load_general_plugins()``: the runner's methods as the plugin
+    patched them, mtpstate on (``ModelRunnerV2State``), against vLLM's own
+    methods, compared after every step:
     the state, and the whole ``BatchReqState`` of ``gather_batch_req_state``
     (on: built from ``StepResult.batch``), plus ``batch_rows`` /
     ``idx_mapping``."""
-    import inspect
-
-    from vllm.v1.worker.gpu.model_runner import GPUModelRunner
-
-    if "VLLM_USE_MTPSTATE" not in inspect.getsource(GPUModelRunner):
-        raise RuntimeError("the vLLM source on the path is not patched (integrations/vllm/mtpstate-mrv2.patch)")
+    load_plugin()
     drv = Driver(w, model_dir)
     args = (w.max_num_seqs, w.max_model_len, w.max_num_batched_tokens, drv.block_sizes, w.num_spec)
     ref, patched = MRV2Reference(*args), MRV2Reference(*args, use_mtpstate=True)
@@ -833,10 +861,10 @@ def run_patched(w: Workload, model_dir: str) -> dict:
         # the whole BatchReqState: vLLM's gather (off) against StepResult.batch (on)
         bad += diff_batches(ref.gather(so), ids_ref, patched.gather(so2), ids_pat)
         order = list(so.num_scheduled_tokens)
-        rows = patched.mtp.batch_rows(order)
+        rows = patched.mtpstate.batch_rows(order)
         if [patched.req_states.index_to_req_id[int(r)] for r in rows] != order:
             bad.append("batch_rows: rows do not map back to the batch's ids")
-        if patched.mtp.idx_mapping(rows).tolist() != rows.tolist():
+        if patched.mtpstate.idx_mapping(rows).tolist() != rows.tolist():
             bad.append("idx_mapping: the tensor differs from batch_rows")
         # prepare_inputs' host results (its Triton kernels are no-ops here)
         bad += diff_inputs(ref.prepare(so, ref.gather(so)), ids_ref, patched.prepare(so2, patched.gather(so2)), ids_pat)
@@ -852,17 +880,18 @@ def run_patched(w: Workload, model_dir: str) -> dict:
 # paired timing on the real steps
 
 
-def bench_workload(w: Workload, model_dir: str, repeats: int = 5, patched: bool = False) -> dict:
+def bench_workload(w: Workload, model_dir: str, repeats: int = 5, runner: bool = False) -> dict:
     """Record the workload's steps once, then time, per step and interleaved,
     MRV2's host path (finish/add/update, then the batch -> row mapping of
     ``gather_batch_req_state``) against ``RequestTable.apply`` + ``rows`` for
     the same batch order, each on a freshly unpickled step (as a worker
     process receives it). The batch order (vLLM's ``sort_batch_req_ids``) is
-    computed outside the timed region: both sides need it. ``patched``: the
-    patched runner with mtpstate on against itself off, over the host part
-    of ``execute_model`` up to the forward (``_bench_runner``)."""
+    computed outside the timed region: both sides need it. ``runner``: the
+    runner as the plugin patches it, mtpstate on, against vLLM's own
+    methods, over the host part of ``execute_model`` up to the forward
+    (``_bench_runner``)."""
     with _staging_launches_as_no_ops():
-        return _bench_runner(w, model_dir, repeats) if patched else _bench(w, model_dir, repeats)
+        return _bench_runner(w, model_dir, repeats) if runner else _bench(w, model_dir, repeats)
 
 
 @contextlib.contextmanager
@@ -1010,7 +1039,7 @@ def _bench_runner(w, model_dir, repeats):
     med = lambda a: float(np.median(a)) * 1e6  # noqa: E731  (us)
     return {
         "workload": w.name,
-        "subject": "patched runner: mtpstate on vs off (host part of execute_model up to the forward)",
+        "subject": "runner via mtpstate's vLLM plugin vs vLLM's own methods (execute_model's host part to the forward)",
         "max_running": int(max(running)),
         "median_running": float(statistics.median(running)),
         "steps": len(blobs),
@@ -1051,7 +1080,7 @@ def breakdown_workload(w: Workload, model_dir: str, repeats: int = 3) -> dict:
     with _staging_launches_as_no_ops():
         for _ in range(repeats):
             off, on = MRV2Reference(*args), MRV2Reference(*args, use_mtpstate=True)
-            R, table = on._runner, on.mtp.table
+            R, table = on._runner, on.mtpstate.table
             inner = []
 
             def timed_apply(so, apply=table.apply, inner=inner):
@@ -1145,18 +1174,24 @@ def main(argv=None) -> int:
         help="each workload's step count x N / 400, at most N (what make test-vllm runs)",
     )
     p.add_argument("--bench", action="store_true", help="paired timing instead of the differential")
-    p.add_argument("--patched", action="store_true", help="the patched runner (mtpstate on) against itself off")
     p.add_argument(
-        "--breakdown", action="store_true", help="with --bench --patched: the patched side's time by runner method"
+        "--runner",
+        action="store_true",
+        help="the runner as mtpstate's vLLM plugin patches it (on) against vLLM's own methods (off)",
+    )
+    p.add_argument(
+        "--breakdown", action="store_true", help="with --bench --runner: the mtpstate side's time by runner method"
     )
     p.add_argument(
         "--sabotage",
         choices=sorted(SABOTAGE),
-        help="with --patched: break what the mirror ships to vLLM's tensors (a negative control: must disagree)",
+        help="with --runner: break what the mirror ships to vLLM's tensors (a negative control: must disagree)",
     )
     p.add_argument("--json", metavar="FILE")
     args = p.parse_args(argv)
     install_cpu_shims()
+    if args.runner:
+        load_plugin()  # through vLLM's own plugin loader, as every vLLM process
     if args.sabotage:
         sabotage(args.sabotage)
     model_dir = write_model_dir()
@@ -1171,9 +1206,9 @@ def main(argv=None) -> int:
         if args.bench and args.breakdown:
             r = breakdown_workload(w, model_dir)
         elif args.bench:
-            r = bench_workload(w, model_dir, patched=args.patched)
-        elif args.patched:
-            r = run_patched(w, model_dir)
+            r = bench_workload(w, model_dir, runner=args.runner)
+        elif args.runner:
+            r = run_runner_differential(w, model_dir)
         else:
             r = run_workload(w, model_dir)
         r["seconds"] = time.perf_counter() - t0
@@ -1181,7 +1216,7 @@ def main(argv=None) -> int:
         print(json.dumps(r), flush=True)
         if not args.bench:
             failed |= r["disagreements"] > 0
-            failed |= not args.patched and w.num_spec > 0 and r["control_disagreements"] == 0
+            failed |= not args.runner and w.num_spec > 0 and r["control_disagreements"] == 0
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=1)

@@ -1,4 +1,4 @@
-"""Command line: ``mtpstate sim | replay | bench | warmup`` (also ``python -m mtpstate``).
+"""Command line: ``mtpstate sim | replay | bench | warmup | vllm-check`` (also ``python -m mtpstate``).
 
 Every user error is one line on stderr that names the flag or file, with exit
 status 2 (usage: checked before any work starts) or 1 (runtime); ``--debug``
@@ -197,6 +197,18 @@ example:
   NUMBA_CACHE_DIR=/opt/numba-cache mtpstate warmup"""
 
 
+VLLM_CHECK_HELP = """\
+Run in vLLM's environment: does VLLM_USE_MTPSTATE=1 turn mtpstate on there?
+One line per fact: vLLM's version and whether it is supported, whether vLLM
+can see mtpstate's plugin, the guard's verdict on every method the
+integration changes, and what VLLM_USE_MTPSTATE=1 would do. Changes nothing.
+Exit status 0 only when the integration would apply, 1 otherwise.
+
+examples:
+  mtpstate vllm-check
+  mtpstate vllm-check --json"""
+
+
 def build_parser() -> argparse.ArgumentParser:
     from mtpstate.tools.bench import version_string
 
@@ -210,7 +222,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="mtpstate",
         description="Batched request state for LLM serving engines: tools for perf engineers.",
         epilog="examples:\n  mtpstate bench --quick\n  mtpstate sim --steps 500 --out run.trace\n"
-        "  mtpstate replay run.trace\n  mtpstate warmup",
+        "  mtpstate replay run.trace\n  mtpstate warmup\n  mtpstate vllm-check",
         formatter_class=_Formatter,
         parents=[top],
     )
@@ -282,6 +294,9 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--plot", metavar="FILE.png", help="write a plot, one panel per workload (needs matplotlib)")
 
     command("warmup", "compile the kernels now (ahead of a server's first step)", WARMUP_HELP)
+
+    c = command("vllm-check", "would VLLM_USE_MTPSTATE=1 turn mtpstate on in this vLLM?", VLLM_CHECK_HELP)
+    c.add_argument("--json", action="store_true", help="the facts as one JSON object on stdout")
     return p
 
 
@@ -388,7 +403,46 @@ def _cmd_warmup(args) -> None:
     print(f"mtpstate kernels ready in {t:.1f} s ({how}); cache: {where}")
 
 
-COMMANDS = {"sim": _cmd_sim, "replay": _cmd_replay, "bench": _cmd_bench, "warmup": _cmd_warmup}
+def _cmd_vllm_check(args) -> int:
+    import logging
+
+    from mtpstate.integrations.vllm import plugin
+
+    logging.getLogger("vllm").setLevel(logging.ERROR)  # importing vLLM's runner may log; the facts are ours
+    f = plugin.report()
+    if args.json:
+        print(json.dumps(f, indent=1))
+    else:
+        print(f"mtpstate: {f['mtpstate']}")
+        if f["vllm"] is None and "methods" not in f:
+            print("vLLM: not installed")
+        else:
+            ok = "supported" if f["supported"] else f"not supported (supported: {', '.join(f['supported_versions'])})"
+            print(f"vLLM: {f['vllm']}, {ok}")
+            print(f"entry point (vllm.general_plugins): {f['entry_point'] or 'not visible'}")
+            if f["vllm_plugins_filter"] is not None:
+                print(f"VLLM_PLUGINS: {f['vllm_plugins_filter']!r}")
+            for name, verdict in f["methods"].items():
+                print(f"guard: {name}: {verdict}")
+            print(f"{plugin.ENV_VAR} now: {f[plugin.ENV_VAR] or 'unset'}")
+        if f["would_apply"]:
+            print(
+                f"{plugin.ENV_VAR}=1 would: apply mtpstate to Model Runner V2's GPUModelRunner in every vLLM "
+                "process (pooling, PCP, adaptive-verification and encoder-decoder runners keep vLLM's own path)"
+            )
+        else:
+            for r in f["reasons"]:
+                print(f"{plugin.ENV_VAR}=1 would do nothing: {r}")
+    return 0 if f["would_apply"] else EXIT_RUNTIME
+
+
+COMMANDS = {
+    "sim": _cmd_sim,
+    "replay": _cmd_replay,
+    "bench": _cmd_bench,
+    "warmup": _cmd_warmup,
+    "vllm-check": _cmd_vllm_check,
+}
 
 
 def main(argv=None) -> int:
@@ -399,7 +453,7 @@ def main(argv=None) -> int:
     prog = f"mtpstate {args.cmd}"
     args.debug = args.debug or args.debug_top
     try:
-        COMMANDS[args.cmd](args)
+        status = COMMANDS[args.cmd](args)
     except CliError as e:
         if args.debug:
             raise
@@ -413,7 +467,7 @@ def main(argv=None) -> int:
             raise
         print(f"{prog}: error: {type(e).__name__}: {e} (run again with --debug for the traceback)", file=sys.stderr)
         return EXIT_RUNTIME
-    return 0
+    return status or 0
 
 
 if __name__ == "__main__":

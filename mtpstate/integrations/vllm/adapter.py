@@ -13,17 +13,57 @@ encoder cache, LoRA; and the add hooks: model state, sampler, speculator,
 ids) goes through the table's device mirror: one staged copy per step.
 
 Imports no vLLM: it works on the runner object it is given. The worked patch
-``integrations/vllm/mtpstate-mrv2.patch`` shows the calls in the runner;
-``docs/vllm.md`` maps every field.
+``mrv2.patch`` (applied by the plugin, or to a source tree) shows the calls in
+the runner; ``docs/vllm.md`` maps every field.
 """
 
 from __future__ import annotations
+
+import logging
 
 import numpy as np
 
 from mtpstate.table import RequestTable, StepResult
 
 __all__ = ["ModelRunnerV2State"]
+
+logger = logging.getLogger("vllm.mtpstate")  # vLLM's handlers and VLLM_LOGGING_LEVEL apply
+_said: set[str] = set()  # what this process has logged already (once each)
+
+
+def _say_once(key: str, msg: str, *args) -> None:
+    if key not in _said:
+        _said.add(key)
+        logger.info(msg, *args)
+
+
+def unsupported_reason(runner) -> str | None:
+    """Why mtpstate cannot keep this runner's request state (None: it can).
+    Decided once, when the runner's KV cache (and with it its block tables)
+    is initialized; such a runner takes vLLM's own paths every step."""
+    if getattr(runner, "is_pooling_model", False) or getattr(runner, "pooling_runner", None) is not None:
+        return "a pooling model"
+    if getattr(runner, "pcp_manager", None) is not None:
+        return "prefill context parallelism (PCP)"
+    if getattr(runner, "adaptive_verification", None) is not None:
+        return "adaptive verification of drafts"
+    if getattr(runner, "is_encoder_decoder", False):
+        return "an encoder-decoder model"
+    if getattr(runner, "decode_query_len", None) is None:
+        return "a runner without decode_query_len"
+    for name in ("req_states", "block_tables"):
+        if getattr(runner, name, None) is None:
+            return f"a runner without {name}"
+    return None
+
+
+def ring_depth_of(runner) -> int:
+    """Steps in flight at once: what vLLM sizes its own staging pools by
+    (``buffer_utils.set_default_max_concurrency``: at least 2, else
+    ``vllm_config.max_concurrent_batches``, pipeline stages + 1 with async
+    scheduling)."""
+    n = getattr(getattr(runner, "vllm_config", None), "max_concurrent_batches", 2)
+    return max(2, n if isinstance(n, int) else 2)
 
 
 class _Step:
@@ -61,8 +101,8 @@ class ModelRunnerV2State:
         ``block_tables`` and ``_remove_request``), after both were built.
 
     ring_depth
-        Staging slots of the table's device mirror: at least the engine's
-        batch queue depth (2 with async scheduling).
+        Staging slots of the table's device mirror and of the ``idx_mapping``
+        ring: at least the number of steps in flight (:func:`ring_depth_of`).
 
     Notes
     -----
@@ -87,8 +127,34 @@ class ModelRunnerV2State:
     tensor-parallel rank.
     """
 
+    @classmethod
+    def for_runner(cls, runner) -> ModelRunnerV2State | None:
+        """The state for ``runner``, or None where mtpstate does not apply
+        (:func:`unsupported_reason`): the runner then takes vLLM's own
+        paths. Logs one INFO line per process, the first time, either way."""
+        reason = unsupported_reason(runner)
+        if reason is not None:
+            _say_once(
+                "unsupported:" + reason, "mtpstate: not used for %s; this runner keeps vLLM's own request state", reason
+            )
+            return None
+        state = cls(runner, ring_depth=ring_depth_of(runner))
+        t = state.table
+        _say_once(
+            "active",
+            "mtpstate: active; request state in one RequestTable (max_num_reqs=%d, max_model_len=%d, "
+            "%d KV-cache group(s)), ring depth %d, device %s",
+            t.max_num_reqs,
+            t.max_model_len,
+            len(t.block_sizes),
+            state.ring_depth,
+            runner.req_states.device,
+        )
+        return state
+
     def __init__(self, runner, ring_depth: int = 2):
         rs, bt = runner.req_states, runner.block_tables
+        self.ring_depth = ring_depth
         widths = [t.gpu.shape[1] for t in bt.block_tables]
         self.runner = runner
         # Everything the host changes reaches vLLM's tensors in the mirror's
@@ -139,7 +205,9 @@ class ModelRunnerV2State:
             bt.block_tables[g].gpu = dev
         bt.init_block_table_layout_tensors()  # the kernels' pointer/stride tables
         self._idx_ring = t._mirror.rows_ring("idx_mapping")  # (kept: idx_mapping() runs every step)
-        rs.external_rows = True  # the patched RequestState keeps no free list
+        # rows are the table's: vLLM's RequestState.remove_request still
+        # returns its row to the free list, which nothing pops any more
+        rs.free_indices = _RowsKeptByTable()
         # ids finish() freed through the runner's hooks, for apply(); None: a
         # decode step (nobody leaves), applied as the scheduler sent it
         self._freeing: list[str] | None = []
@@ -202,6 +270,16 @@ class ModelRunnerV2State:
         (None when the runner has no ``decode_query_len``)."""
         return self._batch
 
+    def gather_batch_req_state(self, cls, uniform_decode_token_count, use_pp: bool = False):
+        """``GPUModelRunner.gather_batch_req_state`` for a real step: the
+        batch built by :meth:`apply`, as ``(cls(...), count)`` with ``count``
+        from vLLM's ``get_uniform_decode_token_count`` (passed in, so that
+        this module imports no vLLM)."""
+        b = self._batch
+        state = self.batch_req_state(cls, use_pp)
+        count = uniform_decode_token_count(len(b.req_ids), b.num_tokens, b.max_query_len, b.decode_graph_eligible)
+        return state, count
+
     def batch_req_state(self, cls, use_pp: bool = False):
         """The step's batch as vLLM's ``BatchReqState`` (``cls``, so that
         this module imports no vLLM), for ``gather_batch_req_state``: the
@@ -251,3 +329,17 @@ class _Current:
     def __call__(self, n=None):
         gpu = self._uva.gpu
         return gpu if n is None else gpu[:n]
+
+
+class _RowsKeptByTable(list):
+    """``RequestState.free_indices`` while the table assigns rows: vLLM's
+    ``remove_request`` appends the freed row (ignored: the table has freed
+    it); its ``add_request``, which would pop one, is not called."""
+
+    __slots__ = ()
+
+    def append(self, row) -> None:
+        pass
+
+    def pop(self, *args):
+        raise RuntimeError("mtpstate assigns this runner's rows; RequestState.add_request must not be called")

@@ -1,0 +1,187 @@
+"""`make test-vllm`, the plugin's guard on vLLM 0.34.0's real source: the
+fingerprint table matches the patch and the release; any drift (a changed
+method, another version, a method replaced at run time, a patch that does not
+apply) changes nothing and says so in one WARNING; without the variable the
+plugin does nothing; loading it again changes nothing more; the plugin and
+the patch are one text."""
+
+import json
+import logging
+import os
+import subprocess
+import sys
+import textwrap
+import types
+
+import pytest
+
+from mtpstate.integrations.vllm import _source, plugin
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+SRC = os.environ["PYTHONPATH"].split(os.pathsep)[0]
+RUNNER_FILE = os.path.join(SRC, "vllm", "v1", "worker", "gpu", "model_runner.py")
+PATCHED = os.environ.get("MTPSTATE_VLLM_PATCHED")
+
+
+@pytest.fixture(scope="module")
+def runner_module():
+    import vllm.v1.worker.gpu.model_runner as m
+
+    assert not plugin.check(m).applied  # this process runs vLLM's own code
+    return m
+
+
+def _read(path):
+    with open(path, encoding="utf-8") as f:
+        return f.read()
+
+
+def _methods(cls):
+    return {k: v for k, v in vars(cls).items() if callable(v)}
+
+
+def test_fingerprints_are_the_patch_against_the_release():
+    change = _source.plan(
+        plugin.RUNNER_MODULE,
+        _read(RUNNER_FILE),
+        _source.split_diff(plugin._patch_text())["vllm/v1/worker/gpu/model_runner.py"],
+    )
+    table = {f"{c}.{m}": fp for (c, m), fp in change.originals.items()}
+    assert table == plugin.SUPPORTED["0.34.0"]
+
+
+def test_guard_passes_on_the_release(runner_module):
+    v = plugin.check(runner_module)
+    assert v.ok and not v.applied, v.problems
+    assert v.vllm_version == "0.34.0"
+    assert set(v.methods) == set(plugin.SUPPORTED["0.34.0"]) and all(m == "ok" for m in v.methods.values())
+
+
+@pytest.mark.skipif(not PATCHED, reason="run through `make test-vllm` (it applies the patch)")
+def test_plugin_and_patch_are_one_text(runner_module):
+    """What the plugin compiles is the patched tree's model_runner.py, line for line."""
+    v = plugin.check(runner_module)
+    assert v.change.patched_text == _read(os.path.join(PATCHED, "vllm", "v1", "worker", "gpu", "model_runner.py"))
+
+
+def _drifted_module(runner_module, tmp_path, text):
+    path = tmp_path / "model_runner.py"
+    path.write_text(text)
+    fake = types.ModuleType(plugin.RUNNER_MODULE)
+    fake.__file__ = str(path)
+    fake.GPUModelRunner = runner_module.GPUModelRunner
+    return fake
+
+
+def _refused(module, caplog):
+    cls = module.GPUModelRunner
+    before = _methods(cls)
+    with caplog.at_level(logging.DEBUG, logger="vllm.mtpstate"):
+        v = plugin.apply(module)
+    assert not v.ok and not v.applied
+    assert _methods(cls) == before  # nothing at all changed
+    warnings = [r for r in caplog.records if r.levelno >= logging.WARNING]
+    assert len(warnings) == 1 and "not applied" in warnings[0].getMessage()
+    return v, warnings[0].getMessage()
+
+
+def test_changed_method_refused(runner_module, tmp_path, caplog):
+    text = _read(RUNNER_FILE).replace(
+        "        # Update CPU num_computed_prefill_tokens.\n", "        # Update the CPU prefill counter.\n"
+    )
+    v, msg = _refused(_drifted_module(runner_module, tmp_path, text), caplog)
+    assert any(k == "GPUModelRunner.update_requests" and "fingerprint" in m for k, m in v.methods.items())
+    # the others are the release's (here defined in another file than the drifted copy)
+    assert [k for k, m in v.methods.items() if "differs" in m] == ["GPUModelRunner.update_requests"]
+    assert "update_requests" in msg and "mtpstate vllm-check" in msg
+
+
+def test_patch_that_does_not_apply_refused(runner_module, tmp_path, caplog):
+    text = _read(RUNNER_FILE).replace("import gc\nimport time\n", "import gc\nimport sys\nimport time\n")
+    v, msg = _refused(_drifted_module(runner_module, tmp_path, text), caplog)
+    assert "does not apply" in msg
+
+
+def test_other_version_refused(runner_module, monkeypatch, caplog):
+    monkeypatch.setattr(plugin, "_version", lambda: "0.35.0")
+    v, msg = _refused(runner_module, caplog)
+    assert "0.35.0 is not a supported version" in msg
+
+
+def test_method_replaced_at_run_time_refused(runner_module, monkeypatch, caplog):
+    monkeypatch.setattr(runner_module.GPUModelRunner, "add_requests", lambda self, so: None)
+    v, msg = _refused(runner_module, caplog)
+    assert "replaced at run time" in v.methods["GPUModelRunner.add_requests"]
+
+
+def _run(code, env_on):
+    env = dict(os.environ)
+    env.pop("VLLM_USE_MTPSTATE", None)
+    if env_on:
+        env["VLLM_USE_MTPSTATE"] = "1"
+    p = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, env=env)
+    assert p.returncode == 0, p.stderr[-3000:]
+    return p
+
+
+_LOAD = """
+    import logging, sys
+    records = []
+    class Keep(logging.Handler):
+        def emit(self, record):
+            records.append(record)
+    log = logging.getLogger("vllm.mtpstate")
+    log.addHandler(Keep())
+    log.setLevel(logging.DEBUG)
+    from vllm.plugins import load_general_plugins
+    load_general_plugins()
+    hooks = sum(type(f).__name__ == "_PatchOnImport" for f in sys.meta_path)
+    lazy = "vllm.v1.worker.gpu.model_runner" not in sys.modules
+    from vllm.v1.worker.gpu.model_runner import GPUModelRunner as R
+    from mtpstate.integrations.vllm import plugin
+    plugin.register(); plugin.register()  # vLLM may load plugins several times
+    patched = [k for k, v in vars(R).items() if getattr(v, "__mtpstate_patched__", False)]
+    originals = [getattr(v, "__mtpstate_original__", None) for v in vars(R).values()]
+    nested = [o for o in originals if getattr(o, "__mtpstate_patched__", False)]
+    print("RESULT", hooks, lazy, sorted(patched), len(nested), plugin.check().applied)
+    print("LOGGED", sorted({r.levelname for r in records}))
+"""
+
+
+def _lines(p, tag):
+    return [ln for ln in p.stdout.splitlines() if ln.startswith(tag)][0]
+
+
+def test_disabled_changes_nothing(runner_module):
+    p = _run(_LOAD, env_on=False)
+    assert _lines(p, "RESULT") == "RESULT 0 True [] 0 False"
+    assert _lines(p, "LOGGED") == "LOGGED ['DEBUG']"  # nothing above DEBUG
+
+
+def test_enabled_applies_once_on_first_import(runner_module):
+    p = _run(_LOAD, env_on=True)
+    result = _lines(p, "RESULT")
+    names = sorted(k.split(".")[1] for k in plugin.SUPPORTED["0.34.0"])
+    # one import hook; the runner module patched when first imported; loading
+    # again patched nothing more (no patched method wraps another)
+    assert result == f"RESULT 1 True {names} 0 True"
+    assert _lines(p, "LOGGED") == "LOGGED ['DEBUG']"  # applied quietly; the INFO line comes with a runner
+
+
+@pytest.mark.parametrize(
+    "env, rc, needle",
+    [
+        ({}, 0, "VLLM_USE_MTPSTATE=1 would: apply mtpstate"),
+        ({"VLLM_PLUGINS": "other"}, 1, "VLLM_PLUGINS='other' leaves out 'mtpstate'"),
+    ],
+)
+def test_vllm_check(env, rc, needle):
+    """The operator's check in vLLM's environment: exit 0 only when the
+    integration would apply; one line per fact, no traceback; --json."""
+    full = dict(os.environ, **env)
+    p = subprocess.run([sys.executable, "-m", "mtpstate", "vllm-check"], capture_output=True, text=True, env=full)
+    assert p.returncode == rc and "Traceback" not in p.stderr, p.stdout + p.stderr[-2000:]
+    assert needle in p.stdout and "vLLM: 0.34.0, supported" in p.stdout
+    assert p.stdout.count("guard: GPUModelRunner.") == len(plugin.SUPPORTED["0.34.0"])
+    p = subprocess.run([sys.executable, "-m", "mtpstate", "vllm-check", "--json"], capture_output=True, env=full)
+    assert p.returncode == rc and json.loads(p.stdout)["would_apply"] is (rc == 0)

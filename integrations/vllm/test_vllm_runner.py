@@ -1,0 +1,60 @@
+"""`make test-vllm`, the runner: vLLM 0.34.0's unpatched source with mtpstate
+applied by its plugin, through vLLM's own ``load_general_plugins()``. The
+runner's own finish/add/update_requests, gather_batch_req_state and
+prepare_inputs with mtpstate on must agree with vLLM's own methods on every
+step (harness.run_runner_differential), and the controls that corrupt what
+the mirror ships must disagree."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+
+import harness  # noqa: E402
+
+STEPS = os.environ.get("MTPSTATE_VLLM_STEPS", "800")
+
+
+def _harness(*args, timeout=1800):
+    env = dict(os.environ, VLLM_LOGGING_LEVEL="ERROR")
+    env.pop("VLLM_USE_MTPSTATE", None)  # the harness turns it on through the plugin loader
+    p = subprocess.run(
+        [sys.executable, os.path.join(HERE, "harness.py"), "--runner", *args],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=timeout,
+    )
+    return p, [json.loads(line) for line in p.stdout.splitlines() if line.startswith("{")]
+
+
+def test_runner_through_plugin_agrees():
+    p, results = _harness("--scale-steps", STEPS)
+    print(p.stdout)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert len(results) == len(harness.WORKLOADS)
+    for r in results:
+        assert r["steps"] > 0 and r["disagreements"] == 0, r
+
+
+@pytest.mark.parametrize("kind", sorted(harness.SABOTAGE))
+def test_runner_differential_can_fail(kind):
+    """Negative controls: the mirror's copy corrupted (new requests' token
+    ids zeroed; total_len / device num_computed_tokens zeroed; prefill/prompt
+    lengths not shipped) must show up as disagreements with vLLM."""
+    p, results = _harness("--sabotage", kind, "--workload", "sync-spec3-chunked", "--steps", "30", timeout=600)
+    assert len(results) == 1 and results[0]["steps"] == 30, p.stderr[-3000:]
+    assert results[0]["disagreements"] > 0, results
+    assert p.returncode == 1
+
+
+def test_patch_applies_to_pristine_source():
+    src = os.environ["PYTHONPATH"].split(os.pathsep)[0]
+    patch = os.path.join(HERE, "..", "..", "mtpstate", "integrations", "vllm", "mrv2.patch")
+    p = subprocess.run(["patch", "-p1", "--dry-run", "-d", src, "-i", patch], capture_output=True, text=True)
+    assert p.returncode == 0, p.stdout + p.stderr

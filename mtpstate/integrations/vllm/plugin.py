@@ -1,0 +1,313 @@
+"""mtpstate as a vLLM general plugin (entry point group ``vllm.general_plugins``).
+
+vLLM calls :func:`register` in every process (API server, engine core,
+workers), before a worker builds its model runner. With
+``VLLM_USE_MTPSTATE=1`` it applies the worked patch (``mrv2.patch``) to
+Model Runner V2's ``GPUModelRunner`` in memory: the methods the patch
+changes are compiled from the patched text of the module that is loaded and
+set on the class. Without the variable it does nothing.
+
+The guard: before anything is changed, the installed vLLM must be a
+supported version, every method the patch changes must be the very
+definition the patch was written against (a fingerprint of its source) and
+still the live one (not replaced by someone else), and the patch must apply
+exactly. On any mismatch nothing at all is changed: one WARNING names what
+differs, and vLLM runs as if mtpstate were absent.
+
+Nothing here imports vLLM at import time. :func:`register` imports no
+vLLM either: the runner's module is patched when it is first imported (a
+worker imports it lazily; the API server never does).
+"""
+
+from __future__ import annotations
+
+import importlib.abc
+import importlib.util
+import linecache
+import logging
+import os
+import sys
+import threading
+from dataclasses import dataclass, field
+from importlib import resources
+
+from mtpstate.integrations.vllm import _source
+
+__all__ = ["ENV_VAR", "SUPPORTED", "Verdict", "apply", "check", "enabled", "register"]
+
+ENV_VAR = "VLLM_USE_MTPSTATE"
+RUNNER_MODULE = "vllm.v1.worker.gpu.model_runner"
+
+# vLLM releases the patch was written against, and per release the
+# fingerprint of every definition it changes (mtpstate.integrations.vllm._source.fingerprint
+# of the original method's source). `make test-vllm` checks this table
+# against the patch and the release's source.
+SUPPORTED: dict[str, dict[str, str]] = {
+    "0.34.0": {
+        "GPUModelRunner.initialize_kv_cache": "1448e2e7ef215ad1",
+        "GPUModelRunner.finish_requests": "9d233fb3ba26819b",
+        "GPUModelRunner.add_requests": "a4722eb66b8dc9e4",
+        "GPUModelRunner.update_requests": "c00d9f68aa56f3f8",
+        "GPUModelRunner.gather_batch_req_state": "7cdfd392a83f5d45",
+        "GPUModelRunner.prepare_inputs": "b6bf942b2ea1af3d",
+    },
+}
+
+# vLLM's own logger hierarchy: its handlers and VLLM_LOGGING_LEVEL apply
+logger = logging.getLogger("vllm.mtpstate")
+
+_APPLIED = "__mtpstate_patched__"  # marks a method set by apply()
+_lock = threading.RLock()
+
+
+def enabled() -> bool:
+    """Whether ``VLLM_USE_MTPSTATE=1`` is set in this process."""
+    return os.environ.get(ENV_VAR, "0").strip() == "1"
+
+
+@dataclass
+class Verdict:
+    """The guard's answer for the vLLM in this process.
+
+    ``ok``: the patch can be applied (or already is: ``applied``).
+    ``methods``: per changed method, ``"ok"`` or what differs.
+    ``problems``: every reason it cannot be applied, one line each.
+    """
+
+    vllm_version: str | None = None
+    supported_versions: tuple[str, ...] = tuple(SUPPORTED)
+    methods: dict[str, str] = field(default_factory=dict)
+    problems: list[str] = field(default_factory=list)
+    applied: bool = False
+    change: _source.SourceChange | None = field(default=None, repr=False)
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems
+
+
+def _patch_text() -> str:
+    return resources.files(__package__).joinpath("mrv2.patch").read_text()
+
+
+def _version() -> str | None:
+    try:
+        from vllm.version import __version__
+    except Exception:  # noqa: BLE001  (no vLLM, or one that fails to import: reported, never raised)
+        return None
+    return str(__version__)
+
+
+def check(module=None) -> Verdict:
+    """Run the guard without changing anything.
+
+    Parameters
+    ----------
+    module
+        The loaded ``vllm.v1.worker.gpu.model_runner`` module; None: import it.
+    """
+    v = Verdict(vllm_version=_version())
+    if v.vllm_version is None:
+        v.problems.append("vLLM is not importable in this environment")
+        return v
+    release = v.vllm_version.split("+")[0]
+    expected = SUPPORTED.get(release)
+    if expected is None:
+        v.problems.append(
+            f"vLLM {v.vllm_version} is not a supported version (supported: {', '.join(SUPPORTED)}); "
+            "upgrade mtpstate, or install a supported vLLM"
+        )
+        expected = SUPPORTED[max(SUPPORTED)]
+    if module is None:
+        try:
+            import importlib
+
+            module = importlib.import_module(RUNNER_MODULE)
+        except Exception as e:  # noqa: BLE001
+            v.problems.append(f"{RUNNER_MODULE} fails to import: {type(e).__name__}: {e}")
+            return v
+    path = getattr(module, "__file__", None)
+    try:
+        with open(path, encoding="utf-8") as f:
+            text = f.read()
+    except (OSError, TypeError) as e:
+        v.problems.append(f"the source of {RUNNER_MODULE} cannot be read ({e}); the guard needs it")
+        return v
+    if ENV_VAR in text:
+        v.problems.append(
+            f"{path} already carries mtpstate's patch (mrv2.patch): there {ENV_VAR}=1 works without the plugin"
+        )
+        return v
+    try:
+        found = _source.fingerprints(text, [tuple(k.split(".", 1)) for k in expected])
+    except SyntaxError as e:
+        v.problems.append(f"the source of {RUNNER_MODULE} does not parse: {e}")
+        return v
+    for (cls_name, name), fp in sorted(found.items()):
+        key = f"{cls_name}.{name}"
+        live = vars(getattr(module, cls_name, None) or object).get(name)
+        if live is not None and getattr(live, _APPLIED, False):
+            v.applied = True
+            v.methods[key] = "ok (mtpstate applied)"
+        elif fp is None:
+            v.methods[key] = "missing in the source"
+        elif fp != expected[key]:
+            v.methods[key] = f"differs from vLLM {release}'s (fingerprint {fp}, expected {expected[key]})"
+        elif not _defined_in(live, path):
+            v.methods[key] = "replaced at run time by other code (not the definition in the source file)"
+        else:
+            v.methods[key] = "ok"
+    if not v.applied:
+        diff = _source.split_diff(_patch_text())
+        try:
+            v.change = _source.plan(RUNNER_MODULE, text, diff["vllm/v1/worker/gpu/model_runner.py"])
+        except (_source.DiffError, SyntaxError) as e:
+            v.problems.append(f"the patch does not apply to {path}: {e}")
+        else:
+            changed = {f"{c}.{m}" for c, m in v.change.originals}
+            if changed != set(expected):
+                v.problems.append(f"the patch changes {sorted(changed)}, the guard knows {sorted(expected)}")
+    bad = {k: m for k, m in v.methods.items() if not m.startswith("ok")}
+    for k, m in bad.items():
+        v.problems.append(f"{k}: {m}")
+    if v.applied and bad:
+        v.problems.append("partly applied by another copy of mtpstate")
+    return v
+
+
+def _defined_in(fn, path: str) -> bool:
+    while hasattr(fn, "__wrapped__"):
+        fn = fn.__wrapped__
+    code = getattr(fn, "__code__", None)
+    return code is not None and os.path.realpath(code.co_filename) == os.path.realpath(path)
+
+
+def apply(module=None) -> Verdict:
+    """Check, then apply the patch to the loaded runner module: all of it or
+    nothing. Idempotent: a second call changes nothing more. Logs one
+    WARNING when the guard refuses."""
+    with _lock:
+        if module is None:
+            import importlib
+
+            module = importlib.import_module(RUNNER_MODULE)
+        v = check(module)
+        if v.applied and v.ok:
+            return v
+        if not v.ok:
+            logger.warning(
+                "mtpstate: %s=1, but the integration is not applied; vLLM runs without it. %s. "
+                "Run `mtpstate vllm-check` for the details.",
+                ENV_VAR,
+                "; ".join(v.problems),
+            )
+            return v
+        change = v.change
+        filename = f"<mtpstate: {module.__file__} + mrv2.patch>"
+        # tracebacks show the patched lines
+        lines = change.patched_text.splitlines(keepends=True)
+        linecache.cache[filename] = (len(change.patched_text), None, lines, filename)
+        # everything compiled before anything is set: never half-applied
+        new = {}
+        for key in change.methods:
+            fn = _source.compile_method(change, key, module.__dict__, filename)
+            setattr(fn, _APPLIED, True)
+            fn.__mtpstate_original__ = vars(getattr(module, key[0]))[key[1]]
+            new[key] = fn
+        for stmt in change.imports:
+            exec(stmt, module.__dict__)  # noqa: S102  (a new import statement of the patch)
+        for (cls_name, name), value in change.class_attrs.items():
+            setattr(getattr(module, cls_name), name, value)
+        for (cls_name, name), fn in new.items():
+            setattr(getattr(module, cls_name), name, fn)
+        v.applied = True
+        logger.debug("mtpstate: applied to %s (%d methods)", RUNNER_MODULE, len(new))
+        return v
+
+
+class _PatchOnImport(importlib.abc.MetaPathFinder):
+    """Applies the patch right after ``vllm.v1.worker.gpu.model_runner`` is
+    executed (workers import it lazily, after the plugins are loaded)."""
+
+    def find_spec(self, fullname, path, target=None):
+        if fullname != RUNNER_MODULE:
+            return None
+        for finder in sys.meta_path:
+            if finder is self or not hasattr(finder, "find_spec"):
+                continue
+            spec = finder.find_spec(fullname, path, target)
+            if spec is not None and spec.loader is not None and hasattr(spec.loader, "exec_module"):
+                spec.loader = _Loader(spec.loader)
+                return spec
+        return None
+
+
+class _Loader(importlib.abc.Loader):
+    def __init__(self, inner):
+        self._inner = inner
+
+    def create_module(self, spec):
+        return self._inner.create_module(spec)
+
+    def exec_module(self, module):
+        self._inner.exec_module(module)
+        _apply_safely(module)
+
+    def __getattr__(self, name):  # get_source, get_code, ... for tools that ask the loader
+        return getattr(self._inner, name)
+
+
+def _apply_safely(module) -> None:
+    try:
+        apply(module)
+    except Exception:  # noqa: BLE001  (a bug of ours must not stop vLLM: it runs without mtpstate)
+        logger.exception("mtpstate: failed while applying the integration; vLLM runs without it")
+
+
+def register() -> None:
+    """The ``vllm.general_plugins`` entry point. Without
+    ``VLLM_USE_MTPSTATE=1``: nothing. With it: patch the runner module now
+    if it is loaded, else when it is first imported. Safe to call any
+    number of times."""
+    if not enabled():
+        logger.debug("mtpstate: %s is not 1; the vLLM plugin does nothing", ENV_VAR)
+        return
+    with _lock:
+        module = sys.modules.get(RUNNER_MODULE)
+        if module is not None:
+            _apply_safely(module)
+        elif not any(isinstance(f, _PatchOnImport) for f in sys.meta_path):
+            sys.meta_path.insert(0, _PatchOnImport())
+
+
+def report() -> dict:
+    """The operator's check (``mtpstate vllm-check``): every fact that decides
+    whether ``VLLM_USE_MTPSTATE=1`` would turn mtpstate on in this
+    environment. Changes nothing. ``would_apply`` is the answer."""
+    from importlib.metadata import entry_points
+
+    import mtpstate
+
+    facts: dict = {"mtpstate": mtpstate.__version__, "vllm": None, "supported_versions": list(SUPPORTED)}
+    if importlib.util.find_spec("vllm") is None:
+        facts.update(would_apply=False, reasons=["vLLM is not installed in this environment"])
+        return facts
+    eps = [ep for ep in entry_points(group="vllm.general_plugins") if ep.value == f"{__name__}:register"]
+    facts["entry_point"] = f"{eps[0].name} = {eps[0].value}" if eps else None
+    allowed = os.environ.get("VLLM_PLUGINS")
+    names = None if allowed is None else [n.strip() for n in allowed.split(",")]
+    facts["vllm_plugins_filter"] = allowed
+    facts[ENV_VAR] = os.environ.get(ENV_VAR)
+    v = check()
+    facts.update(
+        vllm=v.vllm_version, supported=v.vllm_version is not None and v.vllm_version.split("+")[0] in SUPPORTED
+    )
+    facts["methods"] = v.methods
+    reasons = list(v.problems)
+    if not eps:
+        reasons.append("mtpstate's entry point is not visible to vLLM (install mtpstate into vLLM's environment)")
+    elif names is not None and eps[0].name not in names:
+        reasons.append(f"VLLM_PLUGINS={allowed!r} leaves out {eps[0].name!r}")
+    facts["would_apply"] = not reasons
+    facts["reasons"] = reasons
+    return facts

@@ -1,0 +1,229 @@
+"""The vLLM plugin's machinery on a small stand-in for vLLM (a package named
+``vllm`` in a temporary directory, with its own patch and fingerprints), so
+that it runs in ``make test`` without vLLM: the in-memory patch, the guard,
+all-or-nothing application, the import hook, idempotence, the switch.
+``make test-vllm`` checks the same on vLLM 0.34.0 itself."""
+
+import importlib
+import logging
+import sys
+import textwrap
+
+import pytest
+
+from mtpstate.integrations.vllm import _source, plugin
+
+RUNNER = """\
+import math
+
+
+class GPUModelRunner:
+    def __init__(self):
+        self.steps = 0
+
+    def finish_requests(self, so):
+        return sorted(so)
+
+    def add_requests(self, so):
+        self.steps += 1
+        return math.floor(self.steps)
+
+
+def helper():
+    return 1
+"""
+
+PATCH = """\
+--- a/vllm/v1/worker/gpu/model_runner.py
++++ b/vllm/v1/worker/gpu/model_runner.py
+@@ -1,4 +1,5 @@
+ import math
++import os
+
+
+ class GPUModelRunner:
+@@ -10,7 +11,9 @@
+
+     def add_requests(self, so):
+         self.steps += 1
+-        return math.floor(self.steps)
++        if getattr(self, "mtpstate", None) is not None:
++            return "mtpstate"
++        return math.floor(self.steps) + len(os.sep) * 0
+
+
+ def helper():
+"""
+
+
+@pytest.fixture
+def fake_vllm(tmp_path, monkeypatch):
+    """A package ``vllm`` 9.9.9 whose runner module is RUNNER, with PATCH as
+    mtpstate's patch and its fingerprint as the supported one."""
+    gpu = tmp_path / "vllm" / "v1" / "worker" / "gpu"
+    gpu.mkdir(parents=True)
+    for d in (tmp_path / "vllm", tmp_path / "vllm" / "v1", tmp_path / "vllm" / "v1" / "worker", gpu):
+        (d / "__init__.py").write_text("")
+    (tmp_path / "vllm" / "version.py").write_text("__version__ = '9.9.9'\n")
+    (gpu / "model_runner.py").write_text(RUNNER)
+    (fp,) = _source.fingerprints(RUNNER, [("GPUModelRunner", "add_requests")]).values()
+    monkeypatch.setattr(plugin, "SUPPORTED", {"9.9.9": {"GPUModelRunner.add_requests": fp}})
+    monkeypatch.setattr(plugin, "_patch_text", lambda: PATCH)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    for name in [m for m in sys.modules if m == "vllm" or m.startswith("vllm.")]:
+        monkeypatch.delitem(sys.modules, name)
+    monkeypatch.setattr(sys, "meta_path", list(sys.meta_path))
+    importlib.invalidate_caches()
+    yield gpu / "model_runner.py"
+    for name in [m for m in sys.modules if m == "vllm" or m.startswith("vllm.")]:
+        del sys.modules[name]
+
+
+def _runner_module():
+    return importlib.import_module(plugin.RUNNER_MODULE)
+
+
+def test_apply_diff_is_exact():
+    hunks = _source.split_diff(PATCH)["vllm/v1/worker/gpu/model_runner.py"]
+    text, changed = _source.apply_diff(RUNNER, hunks)
+    assert "import os" in text and 'return "mtpstate"' in text
+    assert ("del", 13) in changed and ("ins", 1) in changed
+    with pytest.raises(_source.DiffError, match="does not apply"):
+        _source.apply_diff(RUNNER.replace("self.steps += 1", "self.steps += 2"), hunks)
+    # shifted by lines above: found where it matches once
+    shifted, _ = _source.apply_diff("# a comment\n" + RUNNER, hunks)
+    assert shifted == "# a comment\n" + text
+
+
+@pytest.mark.parametrize(
+    "edit, error",
+    [
+        ("def helper():\n    return 1", "outside the methods"),  # a module-level function changed
+        ("    def __init__(self):", "new method"),  # a method added
+        ("super()", "super()"),
+    ],
+)
+def test_plan_refuses_what_cannot_be_applied_live(edit, error):
+    if edit.startswith("def helper"):
+        new = RUNNER.replace("    return 1\n", "    return 2\n")
+    elif edit.startswith("    def __init__"):
+        new = RUNNER.replace(edit, "    def extra(self):\n        pass\n\n" + edit)
+    else:
+        new = RUNNER.replace("return sorted(so)", "return super().finish_requests(so)")
+    diff = _unified(RUNNER, new)
+    with pytest.raises(_source.DiffError, match=error.replace("(", r"\(").replace(")", r"\)")):
+        _source.plan(plugin.RUNNER_MODULE, RUNNER, _source.split_diff(diff)["vllm/v1/worker/gpu/model_runner.py"])
+
+
+def _unified(a, b):
+    import difflib
+
+    lines = difflib.unified_diff(
+        a.splitlines(),
+        b.splitlines(),
+        "a/vllm/v1/worker/gpu/model_runner.py",
+        "b/vllm/v1/worker/gpu/model_runner.py",
+        lineterm="",
+    )
+    return "\n".join(lines) + "\n"
+
+
+def test_disabled_does_nothing(fake_vllm, monkeypatch, caplog):
+    monkeypatch.delenv(plugin.ENV_VAR, raising=False)
+    with caplog.at_level(logging.DEBUG, logger="vllm.mtpstate"):
+        plugin.register()
+        m = _runner_module()
+    assert not any(isinstance(f, plugin._PatchOnImport) for f in sys.meta_path)
+    assert m.GPUModelRunner().add_requests(None) == 1
+    assert {r.levelno for r in caplog.records} <= {logging.DEBUG}
+
+
+def test_enabled_patches_on_first_import_once(fake_vllm, monkeypatch, caplog):
+    monkeypatch.setenv(plugin.ENV_VAR, "1")
+    with caplog.at_level(logging.DEBUG, logger="vllm.mtpstate"):
+        plugin.register()
+        plugin.register()  # vLLM may load plugins several times
+        assert sum(isinstance(f, plugin._PatchOnImport) for f in sys.meta_path) == 1
+        assert plugin.RUNNER_MODULE not in sys.modules  # nothing imported yet
+        m = _runner_module()
+        plugin.register()
+    R = m.GPUModelRunner
+    r = R()
+    assert r.add_requests(None) == 1  # no mtpstate on this runner: the original path
+    r.mtpstate = object()
+    assert r.add_requests(None) == "mtpstate"
+    assert R.add_requests.__qualname__ == "GPUModelRunner.add_requests"
+    original = R.add_requests.__mtpstate_original__
+    assert not getattr(original, "__mtpstate_patched__", False)  # applied once, not on top of itself
+    assert m.os is __import__("os")  # the patch's new import
+    assert R.finish_requests.__code__.co_filename == str(fake_vllm)  # untouched
+    assert plugin.check(m).applied
+    assert {r.levelno for r in caplog.records} <= {logging.DEBUG}
+    # the traceback of a patched method shows the patched line
+    r.mtpstate = None
+    r.steps = "x"
+    with pytest.raises(TypeError) as e:
+        r.add_requests(None)
+    assert "self.steps += 1" in str(e.traceback[-1])
+
+
+def _assert_refused(m, caplog, needle):
+    before, module_before = dict(vars(m.GPUModelRunner)), dict(vars(m))
+    with caplog.at_level(logging.DEBUG, logger="vllm.mtpstate"):
+        v = plugin.apply(m)
+    assert not v.ok and not v.applied
+    assert dict(vars(m.GPUModelRunner)) == before and dict(vars(m)) == module_before
+    warnings = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert len(warnings) == 1 and needle in warnings[0] and "mtpstate vllm-check" in warnings[0]
+
+
+def test_drifted_method_changes_nothing(fake_vllm, monkeypatch, caplog):
+    fake_vllm.write_text(RUNNER.replace("self.steps += 1", "self.steps += 1  # drift"))
+    _assert_refused(_runner_module(), caplog, "GPUModelRunner.add_requests: differs")
+
+
+def test_unsupported_version_changes_nothing(fake_vllm, monkeypatch, caplog):
+    (fake_vllm.parents[3] / "version.py").write_text("__version__ = '9.9.10'\n")
+    _assert_refused(_runner_module(), caplog, "9.9.10 is not a supported version")
+
+
+def test_method_replaced_by_others_changes_nothing(fake_vllm, monkeypatch, caplog):
+    m = _runner_module()
+    monkeypatch.setattr(m.GPUModelRunner, "add_requests", lambda self, so: 0)
+    _assert_refused(m, caplog, "replaced at run time")
+
+
+def test_source_already_patched_changes_nothing(fake_vllm, monkeypatch, caplog):
+    text, _ = _source.apply_diff(RUNNER, _source.split_diff(PATCH)["vllm/v1/worker/gpu/model_runner.py"])
+    fake_vllm.write_text(text.replace('"mtpstate"', '"VLLM_USE_MTPSTATE"'))
+    _assert_refused(_runner_module(), caplog, "already carries mtpstate's patch")
+
+
+def test_a_failure_while_applying_leaves_vllm_as_it_was(fake_vllm, monkeypatch, caplog):
+    """A bug of ours (here: compiling fails) is logged; nothing is changed."""
+    monkeypatch.setenv(plugin.ENV_VAR, "1")
+
+    def broken(*a, **k):
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr(_source, "compile_method", broken)
+    plugin.register()
+    with caplog.at_level(logging.DEBUG, logger="vllm.mtpstate"):
+        m = _runner_module()
+    assert m.GPUModelRunner().add_requests(None) == 1 and not hasattr(m, "os")
+    assert any("failed while applying" in r.getMessage() for r in caplog.records if r.levelno == logging.ERROR)
+
+
+def test_plugin_imports_no_vllm():
+    import subprocess
+
+    code = textwrap.dedent(
+        """
+        import sys
+        import mtpstate.integrations.vllm.plugin as p
+        p.register()
+        assert not [m for m in sys.modules if m == "vllm" or m.startswith("vllm.")]
+        """
+    )
+    env = {k: v for k, v in __import__("os").environ.items() if k != plugin.ENV_VAR}
+    subprocess.run([sys.executable, "-c", code], check=True, env=env)
