@@ -1,14 +1,58 @@
-"""Markdown tables from a ``mtpstate bench --json`` file (for docs/benchmarks.md).
+"""Markdown tables from the committed benchmark results.
 
-Usage: python benchmarks/report.py docs/bench-cpu.json
+Usage:
+  python benchmarks/report.py docs/bench-cpu.json      # mtpstate bench --json (docs/benchmarks.md)
+  python benchmarks/report.py docs/bench-vllm-runner.json   # make bench-vllm, the runner (docs/vllm.md)
 """
 
 import json
 import sys
 
+RUNNER_ORDER = ("steady", "busy")
+
+
+def _n(name: str) -> int:
+    return int(name.rsplit("-", 1)[1])
+
+
+def _opt(x) -> str:
+    return "-" if x is None else f"{x:.0f}"
+
+
+def runner_table(results: list[dict]) -> str:
+    """The runner's host step, vLLM's methods (off) vs mtpstate through the
+    plugin (on), one row per workload, from ``harness.py --bench --runner``."""
+    head = (
+        "| workload | max running | off (vLLM), us | on (mtpstate), us | speedup (paired median, p10-p90) "
+        "| off: update / gather / prepare, us | on: update / gather / prepare, us "
+        "| torch ops off | torch ops on | launches off | launches on |\n"
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"
+    )
+    rows = [head]
+    key = lambda r: (RUNNER_ORDER.index(r["workload"].split("-")[0]), _n(r["workload"]))  # noqa: E731
+    for r in sorted(results, key=key):
+        ph, ops = r["phases_us"], r["torch_ops"]
+        cells = [r["workload"], str(r["max_running"]), f"{r['vllm_median_us']:.0f}", f"{r['mtpstate_median_us']:.0f}"]
+        cells.append(
+            f"**{r['speedup']:.2f}x** ({r['paired_median']:.2f}x, {r['paired_p10']:.2f}-{r['paired_p90']:.2f})"
+        )
+        for side in ("vllm", "mtpstate"):
+            cells.append(" / ".join(f"{ph[side][k]:.0f}" for k in ("update", "gather", "prepare")))
+        for side in ("vllm", "mtpstate"):
+            o = ops[side]
+            cells.append(f"{_opt(o['without_new'])} / {_opt(o['with_new'])} (max {o['max']})")
+        for side in ("vllm", "mtpstate"):
+            n = ops[side]["no_op_launches"]
+            cells.append(f"{_opt(n['without_new'])} / {_opt(n['with_new'])}")
+        rows.append("| " + " | ".join(cells) + " |")
+    return "\n".join(rows)
+
 
 def main(path):
     d = json.load(open(path))
+    if isinstance(d, list) and d and "vllm_median_us" in d[0]:
+        print(runner_table(d))
+        return
     res = d["results"]
     m = d["machine"]
     print(

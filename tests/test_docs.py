@@ -55,3 +55,20 @@ def test_vllm_adapter_imports_no_vllm():
     code = "import sys, mtpstate.integrations.vllm as m; assert 'vllm' not in sys.modules; print(m.__all__)"
     p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert p.returncode == 0 and "ModelRunnerV2State" in p.stdout, p.stderr
+
+
+def test_runner_table_is_generated_from_the_committed_json():
+    """docs/vllm.md's runner table is `benchmarks/report.py
+    docs/bench-vllm-runner.json`'s output, verbatim."""
+    import importlib.util
+    import json
+    import os
+
+    root = os.path.join(os.path.dirname(__file__), "..")
+    spec = importlib.util.spec_from_file_location("report", os.path.join(root, "benchmarks", "report.py"))
+    report = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(report)
+    with open(os.path.join(root, "docs", "bench-vllm-runner.json")) as f:
+        table = report.runner_table(json.load(f))
+    with open(os.path.join(root, "docs", "vllm.md")) as f:
+        assert table in f.read()

@@ -185,3 +185,41 @@ def test_vllm_check(env, rc, needle):
     assert p.stdout.count("guard: GPUModelRunner.") == len(plugin.SUPPORTED["0.34.0"])
     p = subprocess.run([sys.executable, "-m", "mtpstate", "vllm-check", "--json"], capture_output=True, env=full)
     assert p.returncode == rc and json.loads(p.stdout)["would_apply"] is (rc == 0)
+
+
+_RUNNERS = """
+    import logging, sys
+    sys.path.insert(0, {here!r})
+    import harness
+    records = []
+    class Keep(logging.Handler):
+        def emit(self, record):
+            records.append(record)
+    log = logging.getLogger("vllm.mtpstate")
+    log.addHandler(Keep())
+    log.setLevel(logging.DEBUG)
+    harness.install_cpu_shims()
+    harness.load_plugin()
+    runners = [harness.MRV2Reference(8, 256, 64, [16], 1, use_mtpstate=True) for _ in range(2)]
+    odd = harness.MRV2Reference(8, 256, 64, [16], 1)
+    odd.pcp_manager = object()
+    from mtpstate.integrations.vllm import ModelRunnerV2State
+    assert ModelRunnerV2State.for_runner(odd) is None and ModelRunnerV2State.for_runner(odd) is None
+    assert all(r.mtpstate is not None for r in runners)
+    for r in records:
+        print("LOG", r.levelname, r.getMessage())
+"""
+
+
+def test_one_info_line_per_process():
+    """A worker says once that mtpstate is active (table size, ring depth),
+    and once per reason that a runner keeps vLLM's own state."""
+    p = _run(_RUNNERS.format(here=HERE), env_on=False)
+    logged = [ln for ln in p.stdout.splitlines() if ln.startswith("LOG") and not ln.startswith("LOG DEBUG")]
+    assert len(logged) == 2, logged
+    assert logged[0].startswith("LOG INFO mtpstate: active;") and "max_num_reqs=8" in logged[0]
+    assert "ring depth 2" in logged[0]
+    assert logged[1] == (
+        "LOG INFO mtpstate: not used for prefill context parallelism (PCP); "
+        "this runner keeps vLLM's own request state"
+    )
