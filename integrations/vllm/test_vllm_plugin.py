@@ -124,7 +124,8 @@ def _run(code, env_on):
     return p
 
 
-_LOAD = """
+# the subprocesses keep every record of mtpstate's logger
+_KEEP_RECORDS = """
     import logging, sys
     records = []
     class Keep(logging.Handler):
@@ -133,6 +134,9 @@ _LOAD = """
     log = logging.getLogger("vllm.mtpstate")
     log.addHandler(Keep())
     log.setLevel(logging.DEBUG)
+"""
+
+_LOAD = _KEEP_RECORDS + """
     from vllm.plugins import load_general_plugins
     load_general_plugins()
     hooks = sum(type(f).__name__ == "_PatchOnImport" for f in sys.meta_path)
@@ -187,17 +191,9 @@ def test_vllm_check(env, rc, needle):
     assert p.returncode == rc and json.loads(p.stdout)["would_apply"] is (rc == 0)
 
 
-_RUNNERS = """
-    import logging, sys
+_RUNNERS = _KEEP_RECORDS + """
     sys.path.insert(0, {here!r})
     import harness
-    records = []
-    class Keep(logging.Handler):
-        def emit(self, record):
-            records.append(record)
-    log = logging.getLogger("vllm.mtpstate")
-    log.addHandler(Keep())
-    log.setLevel(logging.DEBUG)
     harness.install_cpu_shims()
     harness.load_plugin()
     runners = [harness.MRV2Reference(8, 256, 64, [16], 1, use_mtpstate=True) for _ in range(2)]
