@@ -12,20 +12,22 @@ per step grow with what changed, not with ``max_num_reqs``; the number of
 device operations per step does not grow with anything.
 
 Staging slots form a ring (depth = the engine's number of in-flight steps).
-A slot's pinned buffers are refilled only after the CUDA event recorded after
-its copy has completed: refilling a pinned buffer while a ``non_blocking``
-copy still reads it silently corrupts the device data. The host waits only
-when the ring is full. Pinned memory is used only for CUDA targets (on a
-CPU-only torch build ``pin_memory`` is unavailable, and a ``non_blocking``
-copy from pageable memory would silently be synchronous anyway); on
-``device="cpu"`` the same staging, the same torch copies and the same scatter
-run (no streams), which is what CI exercises.
+A slot's pinned buffers are refilled only after the event recorded after its
+copy has completed: refilling a pinned buffer while a ``non_blocking`` copy
+still reads it silently corrupts the device data. The host waits only when
+the ring is full.
+
+Every device operation goes through a :class:`mtpstate.devices.DeviceOps`:
+CUDA (pinned staging, a copy stream, events), the CPU (the host runs each
+operation as issued), or, in tests, a deferred model of a GPU's asynchrony,
+on which CI checks the stream and event ordering.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
+from mtpstate import devices
 from mtpstate._kernels import step as T
 from mtpstate.errors import StateError
 
@@ -55,9 +57,10 @@ class _Slot:
     """One staging slot: host buffers, and the event that says the copy that
     read them has completed."""
 
-    def __init__(self, torch, capacity, pinned):
-        self.pos = torch.empty(capacity, dtype=torch.int64, pin_memory=pinned)
-        self.val = torch.empty(capacity, dtype=torch.int32, pin_memory=pinned)
+    def __init__(self, ops, capacity):
+        torch = ops.torch
+        self.pos = ops.pinned_empty(capacity, torch.int64)
+        self.val = ops.pinned_empty(capacity, torch.int32)
         # numpy views of the same memory: the kernels write through these
         self.pos_np = self.pos.numpy()
         self.val_np = self.val.numpy()
@@ -79,9 +82,11 @@ class DeviceMirror:
         flight at once.
     token_ids_on_device : bool
         True: ``token_ids`` is a device tensor, updated like the rest.
-        False: it stays in host memory (pinned when the device is CUDA, so
-        kernels can read it directly); ``device_tensors.token_ids`` is then
-        that host tensor.
+        False (CPU only): it stays in host memory, and
+        ``device_tensors.token_ids`` is that host tensor. Refused on an
+        asynchronous device: the host would write new requests' tokens into
+        memory that device work still in flight may read; use
+        ``token_ids_target`` there (its writes go through the staged copy).
     staging_capacity : int, optional
         Initial elements per slot; grown on demand.
     fields : sequence of str, optional
@@ -104,6 +109,9 @@ class DeviceMirror:
         (implies ``token_ids_on_device=False``). The table then keeps no
         host copy of the token ids (``RequestTable.token_ids`` is None):
         the target, which can be several GB, is the only one.
+    ops : mtpstate.devices.DeviceOps, optional
+        The device operations (default: CUDA or CPU by ``device``); tests
+        pass a :class:`mtpstate.devices.DeferredOps`.
     """
 
     def __init__(
@@ -116,6 +124,7 @@ class DeviceMirror:
         fields=None,
         engine_lengths: bool = False,
         token_ids_target=None,
+        ops=None,
     ):
         torch = _torch()
         self._torch = torch
@@ -125,6 +134,7 @@ class DeviceMirror:
         self.is_cuda = self.device.type == "cuda"
         if self.is_cuda and not torch.cuda.is_available():
             raise StateError(f"device {device!r} requested but CUDA is not available")
+        self.ops = ops = devices.ops_for(torch, self.device) if ops is None else ops
         self.table = table
         self.ring_depth = ring_depth
         R, L = table.max_num_reqs, table.max_model_len
@@ -143,15 +153,21 @@ class DeviceMirror:
                 raise ValueError(f"token_ids_target must be contiguous and addressable from {self.device}")
             self._tok_target = tt.view(-1)
             token_ids_on_device = False
+        elif not token_ids_on_device and ops.asynchronous:
+            raise ValueError(
+                "token_ids_on_device=False is refused on an asynchronous device: the host would write new "
+                "requests' token ids into memory that device work in flight may still read; pass "
+                "token_ids_target= (an engine tensor, written through the staged copy) or keep the default"
+            )
         self.token_ids_on_device = token_ids_on_device
         self._host_tok_tensor = None
         if not token_ids_on_device and token_ids_target is None:
-            self._host_tok_tensor = torch.zeros((R, L), dtype=torch.int32, pin_memory=self.is_cuda)
+            self._host_tok_tensor = torch.zeros((R, L), dtype=torch.int32)
         cap = staging_capacity or max(1024, 4 * R)
-        self._slots = [_Slot(torch, cap, self.is_cuda) for _ in range(ring_depth)]
+        self._slots = [_Slot(ops, cap) for _ in range(ring_depth)]
         self._next = 0
         self._open = None
-        self._stream = torch.cuda.Stream(device=self.device) if self.is_cuda else None
+        self._stream = ops.new_stream()  # the copy stream (None: the host runs the copies)
         self._last = {"bytes": 0, "copies": 0}
         self._rows_rings = {}
 
@@ -167,28 +183,34 @@ class DeviceMirror:
 
     def attach(self):
         """Lay out the flat device tensor and copy the current host state
-        (once, at construction)."""
+        (once, at construction). Every view handed out starts on a 16-byte
+        boundary (engines' kernels may assume it, e.g. vLLM's Triton block
+        table loads): per-request rows have a stride of ``max_num_reqs``
+        rounded up to 4 elements, and each region starts aligned."""
         torch = self._torch
         t = self.table
         R, L, ng = t.max_num_reqs, t.max_model_len, t.num_groups
+        SR = _aligned(R)  # device row stride of the per-request rows
+        nrows = T.F_NB + ng
+        off = nrows * SR
         offsets = []
-        off = (T.F_NB + ng) * R
         for w in t.max_num_blocks_per_group:
+            off = _aligned(off)
             offsets.append(off)
             off += R * w
         t._flat_bt[:] = offsets
         eng_off = -1
         if self.engine_lengths:
-            eng_off = off
-            off += T.ENG_ROWS * R
+            eng_off = off = _aligned(off)
+            off += T.ENG_ROWS * SR
         tok_off = -1
         if self.token_ids_on_device:
-            tok_off = off
+            tok_off = off = _aligned(off)
             off += R * L
         # per state row (F_*, num_blocks rows included): mirrored or not
-        mirrored = [False] * (T.F_NB + ng)
+        mirrored = [False] * nrows
         for name in self.fields:
-            for f in range(T.F_NB, T.F_NB + ng) if name == "num_blocks" else (_FIELD_ROWS[name],):
+            for f in range(T.F_NB, nrows) if name == "num_blocks" else (_FIELD_ROWS[name],):
                 mirrored[f] = True
         mask = sum(1 << f for f, on in enumerate(mirrored) if on)
         # (the array entry point's filter: past the state rows, block tables, always)
@@ -198,18 +220,20 @@ class DeviceMirror:
         ctx[T.TB_FLAT_ENG] = eng_off
         ctx[T.TB_TOK_EXT] = int(self._tok_target is not None)
         ctx[T.TB_STG_FIELDS] = mask
-        self._flat = torch.zeros(off, dtype=torch.int32, device=self.device)  # [total elements]
-        host = [t._state.reshape(-1), *(bt.reshape(-1) for bt in t.block_tables)]
-        if self.engine_lengths:
-            host.append(np.zeros(T.ENG_ROWS * R, np.int32))
-        if self.token_ids_on_device:
-            host.append(t.token_ids.reshape(-1))
-        self._flat.copy_(torch.from_numpy(np.concatenate(host)))
-        f = self._flat
-        per_row = {
-            name: f[row * R : (row + 1) * R] if name in self.fields else None for name, row in _FIELD_ROWS.items()
-        }
-        eng = f[eng_off : eng_off + T.ENG_ROWS * R].view(T.ENG_ROWS, R) if eng_off >= 0 else None
+        ctx[T.TB_STG_STRIDE] = SR
+        self._row_stride = SR
+        # the host state in the device layout, copied once
+        host = np.zeros(off, np.int32)
+        host[: nrows * SR].reshape(nrows, SR)[:, :R] = t._state
+        for o, bt in zip(offsets, t.block_tables):
+            host[o : o + bt.size] = bt.reshape(-1)
+        if tok_off >= 0:
+            host[tok_off : tok_off + R * L] = t.token_ids.reshape(-1)
+        self._flat = f = torch.zeros(off, dtype=torch.int32, device=self.device)  # [total elements]
+        f.copy_(torch.from_numpy(host))
+        rows = f[: nrows * SR].view(nrows, SR)[:, :R]  # [num_fields, max_num_reqs], row stride SR
+        per_row = {name: rows[row] if name in self.fields else None for name, row in _FIELD_ROWS.items()}
+        eng = f[eng_off : eng_off + T.ENG_ROWS * SR].view(T.ENG_ROWS, SR)[:, :R] if eng_off >= 0 else None
         if tok_off >= 0:
             tokens = f[tok_off : tok_off + R * L].view(R, L)
         elif self._tok_target is not None:
@@ -218,18 +242,22 @@ class DeviceMirror:
             tokens = self._host_tok_tensor
         self.tensors = _Tensors(
             **per_row,
-            num_blocks=f[T.F_NB * R : (T.F_NB + ng) * R].view(ng, R) if "num_blocks" in self.fields else None,
+            num_blocks=rows[T.F_NB :] if "num_blocks" in self.fields else None,  # [num_groups, max_num_reqs]
             block_tables=[f[o : o + R * w].view(R, w) for o, w in zip(offsets, t.max_num_blocks_per_group)],
             token_ids=tokens,
             total_len=None if eng is None else eng[T.ENG_TOTAL_LEN],
             engine_num_computed_tokens=None if eng is None else eng[T.ENG_NCT],
         )
+        for name, v in vars(self.tensors).items():
+            for x in v if isinstance(v, list) else (v,):
+                if x is not None and not (name == "token_ids" and self._tok_target is not None):  # (the engine's)
+                    assert x.data_ptr() % 16 == 0, f"device view {name} is not 16-byte aligned"
         self._alloc_device_buffers(len(self._slots[0].pos))
 
     def _alloc_device_buffers(self, cap):
         torch = self._torch
-        self._dev_pos = torch.empty(cap, dtype=torch.int64, device=self.device)
-        self._dev_val = torch.empty(cap, dtype=torch.int32, device=self.device)
+        self._dev_pos = self.ops.empty(cap, torch.int64)
+        self._dev_val = self.ops.empty(cap, torch.int32)
 
     # -- per step ------------------------------------------------------------
 
@@ -239,7 +267,7 @@ class DeviceMirror:
         if self._open is None:
             slot = self._slots[self._next]
             if slot.event is not None:
-                slot.event.synchronize()  # its copy may still be reading it
+                self.ops.host_wait(slot.event)  # its copy may still be reading it
                 slot.event = None
             self._open = slot
             ctx = self.table._ctx
@@ -273,32 +301,29 @@ class DeviceMirror:
             slot.pos_np[n_tok:m] = slot.pos_np[keep]
             slot.val_np[n_tok:m] = slot.val_np[keep]
             n = m
-        torch = self._torch
-        if self.is_cuda:
-            stream = self._stream
-            # the copy must not overtake device work already queued on the
-            # consumer's stream that reads these tensors
-            stream.wait_stream(torch.cuda.current_stream(self.device))
-            with torch.cuda.stream(stream):
-                self._ship(slot, n, n_tok)
-                slot.event = torch.cuda.Event()
-                slot.event.record(stream)
-            # the consumer's later work sees the update, without a host wait
-            torch.cuda.current_stream(self.device).wait_stream(stream)
-        else:
-            self._ship(slot, n, n_tok)  # the same torch calls, run by the host
+        ops, stream = self.ops, self._stream
+        consumer = ops.current_stream()
+        # the copy must not overtake device work already queued on the
+        # consumer's stream that reads these tensors
+        ops.wait_stream(stream, consumer)
+        with ops.on_stream(stream):
+            self._ship(slot, n, n_tok)
+        slot.event = ops.record_event(stream)
+        # the consumer's later work sees the update, without a host wait
+        ops.wait_stream(consumer, stream)
         self._last = {"bytes": n * (8 + 4), "copies": 2}
 
     def _ship(self, slot, n, n_tok):
         """The step's device work: two copies, one scatter per target."""
+        ops = self.ops
         dpos = self._dev_pos[:n]
         dval = self._dev_val[:n]
-        dpos.copy_(slot.pos[:n], non_blocking=True)
-        dval.copy_(slot.val[:n], non_blocking=True)
+        ops.copy(dpos, slot.pos[:n])
+        ops.copy(dval, slot.val[:n])
         if n > n_tok:
-            self._flat.index_copy_(0, dpos[n_tok:], dval[n_tok:])
+            ops.scatter(self._flat, dpos[n_tok:], dval[n_tok:])
         if n_tok:
-            self._tok_target.index_copy_(0, dpos[:n_tok], dval[:n_tok])
+            ops.scatter(self._tok_target, dpos[:n_tok], dval[:n_tok])
 
     def stage_arrays(self, staged):
         """Stage changes made outside the kernels (the array entry point):
@@ -306,7 +331,7 @@ class DeviceMirror:
         pos = np.concatenate([np.asarray(p, np.int64) for p, _ in staged])
         val = np.concatenate([np.asarray(v, np.int32) for _, v in staged])
         rows = self._mirrored_rows
-        keep = rows[np.minimum(pos // self.table.max_num_reqs, len(rows) - 1)]
+        keep = rows[np.minimum(pos // self._row_stride, len(rows) - 1)]
         pos, val = pos[keep], val[keep]
         self.begin_step()
         if len(pos) > len(self._open.pos_np):
@@ -318,9 +343,8 @@ class DeviceMirror:
     def grow_staging(self, need: int):
         """Reallocate every slot (and the device buffers) to hold ``need``."""
         self.synchronize()
-        torch = self._torch
         cap = max(need, 2 * len(self._slots[0].pos))
-        self._slots = [_Slot(torch, cap, self.is_cuda) for _ in range(len(self._slots))]
+        self._slots = [_Slot(self.ops, cap) for _ in range(len(self._slots))]
         self._alloc_device_buffers(cap)
         if self._open is not None:
             self._open = None
@@ -340,20 +364,15 @@ class DeviceMirror:
         uploads every step keeps it and calls its ``upload``)."""
         ring = self._rows_rings.get(purpose)
         if ring is None:
-            ring = self._rows_rings[purpose] = _RowsRing(
-                self._torch, self.device, self.table.max_num_reqs, self.ring_depth
-            )
+            ring = self._rows_rings[purpose] = _RowsRing(self.ops, self.table.max_num_reqs, self.ring_depth)
         return ring
 
     def synchronize(self):
         for slot in self._slots:
-            if slot.event is not None:
-                slot.event.synchronize()
-                slot.event = None
-        if self._stream is not None:
-            self._stream.synchronize()
+            slot.event = None
         for ring in self._rows_rings.values():
-            ring.synchronize()
+            ring.events = [None] * ring.depth
+        self.ops.synchronize()
 
     def stats(self) -> dict:
         return dict(self._last)
@@ -362,20 +381,22 @@ class DeviceMirror:
 _SHIPPED_NOTHING = {"bytes": 0, "copies": 0}
 
 
+def _aligned(n: int) -> int:
+    """``n`` int32 elements rounded up to a 16-byte boundary."""
+    return (n + 3) // 4 * 4
+
+
 class _RowsRing:
     """Pinned host buffers and device buffers for a per-step int64 row
     mapping, used round robin; an event per buffer guards its refill."""
 
-    def __init__(self, torch, device, capacity, depth):
-        self._torch = torch
-        self.device = device
-        self.is_cuda = device.type == "cuda"
-        self.host = [torch.empty(capacity, dtype=torch.int64, pin_memory=self.is_cuda) for _ in range(depth)]
+    def __init__(self, ops, capacity, depth):
+        self.ops = ops
+        torch = ops.torch
+        self.host = [ops.pinned_empty(capacity, torch.int64) for _ in range(depth)]
         self.host_np = [h.numpy() for h in self.host]
-        # on a CPU device the host buffers are the result
-        self.dev = (
-            [torch.empty(capacity, dtype=torch.int64, device=device) for _ in range(depth)] if self.is_cuda else None
-        )
+        # on the CPU the host buffers are the result
+        self.dev = [ops.empty(capacity, torch.int64) for _ in range(depth)] if ops.asynchronous else None
         self.events = [None] * depth
         self.next = 0
         self.depth = depth
@@ -389,25 +410,18 @@ class _RowsRing:
             raise StateError(f"{n} rows exceed max_num_reqs={self.capacity}")
         ev = self.events[k]
         if ev is not None:
-            ev.synchronize()  # its last copy may still be reading the buffer
+            self.ops.host_wait(ev)  # its last copy may still be reading the buffer
             self.events[k] = None
         self.host_np[k][:n] = rows
-        if not self.is_cuda:
+        if self.dev is None:
             return self.host[k][:n]
         out = self.dev[k][:n]
-        out.copy_(self.host[k][:n], non_blocking=True)
-        # the copy runs on the destination device's current stream, which
-        # need not be the current device's: record there
-        ev = self._torch.cuda.Event()
-        ev.record(self._torch.cuda.current_stream(self.device))
-        self.events[k] = ev
+        ops = self.ops
+        # on the mirror device's current stream (not the current device's)
+        stream = ops.current_stream()
+        ops.copy(out, self.host[k][:n])
+        self.events[k] = ops.record_event(stream)
         return out
-
-    def synchronize(self):
-        for i, ev in enumerate(self.events):
-            if ev is not None:
-                ev.synchronize()
-                self.events[i] = None
 
 
 class _Tensors:

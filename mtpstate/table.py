@@ -567,7 +567,7 @@ class RequestTable:
     mirror_options : dict, optional
         Passed to :class:`mtpstate.mirror.DeviceMirror` (``ring_depth``,
         ``token_ids_on_device``, ``fields``, ``engine_lengths``,
-        ``token_ids_target``).
+        ``token_ids_target``, ``ops``).
     seed : int, optional
         Hash seed of the request index (rows never depend on it).
     max_id_bytes : int
@@ -684,6 +684,7 @@ class RequestTable:
         c = self._ctx = np.zeros(T.TB_SIZE, np.int64)
         c[T.TB_STATE] = self._state.ctypes.data
         c[T.TB_R] = R
+        c[T.TB_STG_STRIDE] = R  # the mirror pads it (aligned device rows)
         c[T.TB_NG] = ng
         c[T.TB_BT_ADDR] = self._bt_addr.ctypes.data
         c[T.TB_BT_W] = self._bt_w.ctypes.data

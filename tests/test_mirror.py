@@ -115,7 +115,34 @@ cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GP
 
 @pytest.mark.cuda
 @cuda
-@pytest.mark.parametrize("on_device", [True, False])
+def test_cuda_host_token_ids_refused():
+    """Host writes of new tokens into memory that kernels in flight read:
+    refused on CUDA (an engine's tensor is written through the staged copy)."""
+    with pytest.raises(ValueError, match="token_ids_target"):
+        RequestTable(max_num_reqs=4, max_model_len=32, device="cuda", mirror_options={"token_ids_on_device": False})
+
+
+def _snapshot(t):
+    """Clones of every mirrored tensor, taken on the current stream (so in
+    stream order: after the step's copy, before later steps' copies)."""
+    d = t.device_tensors
+    return [getattr(d, n).clone() for n in [*NAMES, "token_ids"]] + [b.clone() for b in d.block_tables]
+
+
+def _host(t):
+    return [getattr(t, n).copy() for n in [*NAMES, "token_ids"]] + [b.copy() for b in t.block_tables]
+
+
+def _assert_snapshots(snaps, hosts):
+    torch.cuda.synchronize()
+    for k, (s, h) in enumerate(zip(snaps, hosts)):
+        for a, b in zip(s, h):
+            np.testing.assert_array_equal(a.cpu().numpy(), b, err_msg=f"snapshot {k}")
+
+
+@pytest.mark.cuda
+@cuda
+@pytest.mark.parametrize("on_device", [True])
 def test_cuda_device_equals_host(on_device):
     cfg = dict(max_num_reqs=64, max_model_len=512, block_sizes=(16, 32))
     sim = Simulator(
@@ -147,11 +174,99 @@ def test_cuda_slots_not_reused_while_copy_in_flight():
     sim = Simulator(**cfg, num_spec=2, accept=0.5, prompt_len=(1, 300), output_len=(50, 400), seed=1)
     t = RequestTable(**cfg, device="cuda", mirror_options={"ring_depth": 2})
     stream = t._mirror._stream
+    snaps, hosts = [], []
     for so in sim.run(150):
         with torch.cuda.stream(stream):
             torch.cuda._sleep(2_000_000)  # ~1 ms of GPU time before this step's copy
         t.apply(so)
+        snaps.append(_snapshot(t))  # every step, in stream order
+        hosts.append(_host(t))
+    _assert_snapshots(snaps, hosts)
     assert_mirrored(t)
+
+
+@pytest.mark.cuda
+@cuda
+@pytest.mark.parametrize("depth", [2, 3])
+def test_cuda_rows_ring_under_held_back_stream(depth):
+    """``upload_rows`` (the adapter's idx_mapping and new rows, every step)
+    with the current stream held back: each result, cloned in stream order
+    right after its upload, holds the rows of its own call, never a later
+    refill of the same pinned buffer."""
+    import random
+
+    rng = random.Random(depth)
+    t = RequestTable(max_num_reqs=256, max_model_len=64, device="cuda", mirror_options={"ring_depth": depth})
+    clones, wants = [], []
+    for _ in range(300):
+        if rng.random() < 0.5:
+            torch.cuda._sleep(rng.randrange(100_000, 2_000_000))  # the current stream, where the copies run
+        want = np.array(rng.sample(range(256), rng.randrange(1, 256)), np.int64)
+        out = t.upload_rows(want, "idx_mapping")
+        clones.append(out.clone())
+        wants.append(want)
+    torch.cuda.synchronize()
+    for k, (c, w) in enumerate(zip(clones, wants)):
+        np.testing.assert_array_equal(c.cpu().numpy(), w, err_msg=f"upload {k}")
+
+
+@pytest.mark.cuda
+@cuda
+def test_cuda_held_back_consumer_reads_old_values():
+    """Work already queued on the consumer's stream (held back by a sleep)
+    that reads the mirrored tensors must see the state from before the next
+    step: the copy stream waits for it."""
+    cfg = dict(max_num_reqs=128, max_model_len=1024, block_sizes=(16,))
+    sim = Simulator(**cfg, num_spec=2, accept=0.5, prompt_len=(1, 200), output_len=(20, 200), seed=3)
+    t = RequestTable(**cfg, device="cuda", mirror_options={"ring_depth": 2})
+    snaps, hosts = [], []
+    for so in sim.run(120):
+        torch.cuda._sleep(2_000_000)  # the consumer's stream busy for ~1 ms ...
+        snaps.append(_snapshot(t))  # ... then reading the state of the previous step
+        hosts.append(_host(t))
+        t.apply(so)
+    _assert_snapshots(snaps, hosts)
+
+
+@pytest.mark.cuda
+@cuda
+def test_cuda_array_entry_and_duplicates_every_step():
+    """The array entry point (``stage_arrays``) and steps that stage an
+    element twice (the last write must win, which a GPU scatter does not
+    promise), checked in stream order after every step."""
+    cfg = dict(max_num_reqs=8, max_model_len=128, block_sizes=(16,))
+    sim = Simulator(**cfg, num_spec=2, seed=4, prompt_len=(1, 50), output_len=(2, 30))
+    t = RequestTable(**cfg, device="cuda")
+    stream = t._mirror._stream
+    snaps, hosts = [], []
+    for so in sim.run(40):
+        with torch.cuda.stream(stream):
+            torch.cuda._sleep(500_000)
+        t.finish(set(so.finished_req_ids) | set(so.preempted_req_ids or ()))
+        t.add(so.scheduled_new_reqs)
+        c = so.scheduled_cached_reqs
+        counts = [0 if b is None else len(b[0]) for b in c.new_block_ids]
+        offsets = [np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)]
+        values = [np.array([x for b in c.new_block_ids if b is not None for x in b[0]], np.int32)]
+        t.update_arrays(c.req_ids, np.array(c.num_computed_tokens, np.int64), offsets, values)
+        snaps.append(_snapshot(t))
+        hosts.append(_host(t))
+    from test_table import _cached, _new, _so
+
+    t = RequestTable(max_num_reqs=4, max_model_len=64, block_sizes=[16], max_num_blocks_per_group=[4], device="cuda")
+    for so in [
+        _so(new=[_new("a", blocks=([1, 2],)), _new("b")]),
+        _so(cached=_cached(["a", "b"], [4, 4])),
+        _so(new=[_new("a", n=6, nct=2, blocks=([5],))], cached=_cached(["b"], [4])),
+        _so(fin=["b"], new=[_new("b", n=3, blocks=([6],))], cached=_cached(["a", "b"], [3, 1], [None, ([7],)])),
+        _so(new=[_new("x", n=2)], cached=_cached(["x", "a"], [1, 4])),
+    ]:
+        with torch.cuda.stream(t._mirror._stream):
+            torch.cuda._sleep(500_000)
+        t.apply(so)
+        snaps.append(_snapshot(t))
+        hosts.append(_host(t))
+    _assert_snapshots(snaps, hosts)
 
 
 @pytest.mark.cuda
@@ -347,3 +462,56 @@ def test_cuda_engine_targets_under_held_back_copies(depth):
         seeds.check(t, target)
         np.testing.assert_array_equal(d.num_blocks.cpu().numpy(), t.num_blocks)
         np.testing.assert_array_equal(d.block_tables[0].cpu().numpy(), t.block_tables[0])
+
+
+@pytest.mark.parametrize("R", [1, 2, 3, 5, 6, 7, 9, 13])
+def test_every_view_is_16_byte_aligned(R):
+    """Engines' kernels may assume aligned base pointers (vLLM's Triton block
+    table loads hint a multiple of 16 bytes): every view the mirror hands
+    out starts on a 16-byte boundary, whatever max_num_reqs and the block
+    table widths, and the padded layout still mirrors the host exactly."""
+    cfg = dict(max_num_reqs=R, max_model_len=200, block_sizes=(16, 32, 48))
+    target = torch.zeros((R, 200), dtype=torch.int32)
+    for options in ({}, engine_mirror_options(target), {"engine_lengths": True}):
+        t = RequestTable(**cfg, device="cpu", mirror_options=options)
+        d = t.device_tensors
+        views = {n: getattr(d, n) for n in (*NAMES, "token_ids", "total_len", "engine_num_computed_tokens")}
+        views.update({f"block_tables[{g}]": b for g, b in enumerate(d.block_tables)})
+        for name, v in views.items():
+            if v is not None:
+                assert v.data_ptr() % 16 == 0, (R, options.keys(), name)
+        sim = Simulator(**cfg, num_spec=2, prompt_len=(1, 60), output_len=(1, 40), seed=R)
+        for so in sim.run(30):
+            t.apply(so)
+        t.synchronize()
+        for name in NAMES:
+            if getattr(d, name) is not None:
+                np.testing.assert_array_equal(getattr(d, name).numpy(), getattr(t, name), err_msg=name)
+        for g, bt in enumerate(t.block_tables):
+            np.testing.assert_array_equal(d.block_tables[g].numpy(), bt)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs two CUDA GPUs")
+def test_cuda_rows_ring_on_a_device_that_is_not_current():
+    """A mirror on cuda:1 while cuda:0 is current: the row ring's copy runs
+    on cuda:1's stream, and the event that guards the buffer's refill must
+    be recorded there (recorded on the current device's stream it would not
+    cover the copy, and a refill could overtake it)."""
+    import random
+
+    rng = random.Random(0)
+    t = RequestTable(max_num_reqs=256, max_model_len=64, device="cuda:1", mirror_options={"ring_depth": 2})
+    clones, wants = [], []
+    with torch.cuda.device(0):
+        for _ in range(200):
+            with torch.cuda.device(1):
+                torch.cuda._sleep(rng.randrange(100_000, 2_000_000))  # cuda:1's stream held back
+            want = np.array(rng.sample(range(256), rng.randrange(1, 256)), np.int64)
+            out = t.upload_rows(want)
+            with torch.cuda.device(1):
+                clones.append(out.clone())
+            wants.append(want)
+    torch.cuda.synchronize(1)
+    for k, (c, w) in enumerate(zip(clones, wants)):
+        np.testing.assert_array_equal(c.cpu().numpy(), w, err_msg=f"upload {k}")

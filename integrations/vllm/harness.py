@@ -224,10 +224,17 @@ WORKLOADS = {
         Workload("async-spec3", async_scheduling=True, num_spec=3, seed=1),
         Workload("sync-preempt", num_spec=2, num_blocks=180, arrivals=1.5, seed=2),
         Workload("async-preempt", async_scheduling=True, num_spec=1, num_blocks=180, arrivals=1.5, seed=3),
+        # table sizes that are not a multiple of 4: the mirror pads its device rows
         Workload(
-            "sync-prefix-two-groups", num_spec=4, sliding_window=64, prefix_caching=True, shared_prefix=0.6, seed=4
+            "sync-prefix-two-groups",
+            num_spec=4,
+            sliding_window=64,
+            prefix_caching=True,
+            shared_prefix=0.6,
+            max_num_seqs=33,
+            seed=4,
         ),
-        Workload("async-unicode-no-spec", async_scheduling=True, unicode_ids=True, seed=5),
+        Workload("async-unicode-no-spec", async_scheduling=True, unicode_ids=True, max_num_seqs=30, seed=5),
         Workload("sync-prompt-embeds", num_spec=2, prompt_embeds=0.5, seed=7),
         Workload(
             "sync-256-running",
@@ -808,13 +815,13 @@ def _zero_engine_lengths(mirror, slot, n, n_tok):
 
     eng = int(mirror.table._ctx[slots.TB_FLAT_ENG])
     pos = slot.pos_np[n_tok:n]
-    slot.val_np[n_tok:n][(pos >= eng) & (pos < eng + slots.ENG_ROWS * mirror.table.max_num_reqs)] = 0
+    slot.val_np[n_tok:n][(pos >= eng) & (pos < eng + slots.ENG_ROWS * mirror._row_stride)] = 0
 
 
 def _drop_length_rows(mirror, slot, n, n_tok):
     from mtpstate._kernels import slots
 
-    R = mirror.table.max_num_reqs
+    R = mirror._row_stride  # the device's row stride of the per-request rows
     pos = slot.pos_np[n_tok:n]
     lengths = (pos >= slots.F_PREFILL * R) & (pos < (slots.F_PROMPT + 1) * R)
     slot.pos_np[n_tok:n][lengths] = slots.F_MAXSEQ * R  # (a row vLLM does not read)

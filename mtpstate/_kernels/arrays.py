@@ -60,12 +60,13 @@ def update_from_arrays(table, req_ids, num_computed_tokens, new_block_offsets=No
     state[T.F_NCT, rows] = nct
     ncpt = np.minimum(nct, state[T.F_PREFILL, rows])
     state[T.F_NCPT, rows] = ncpt
-    staged = [(T.F_NCT * R + rows, nct), (T.F_NCPT * R + rows, ncpt)]
+    SR = int(table._ctx[T.TB_STG_STRIDE])  # the device's row stride
+    staged = [(T.F_NCT * SR + rows, nct), (T.F_NCPT * SR + rows, ncpt)]
     for g, counts, pos, vals in plans:
         table.block_tables[g].reshape(-1)[pos] = vals
         nb = state[T.F_NB + g, rows] + counts
         state[T.F_NB + g, rows] = nb
-        staged += [(table._flat_bt[g] + pos, vals), ((T.F_NB + g) * R + rows, nb)]
+        staged += [(table._flat_bt[g] + pos, vals), ((T.F_NB + g) * SR + rows, nb)]
     if table._mirror is not None:
         table._mirror.stage_arrays(staged)
     return rows.astype(np.int32)

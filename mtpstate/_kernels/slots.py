@@ -72,7 +72,8 @@ TB_STG_FIELDS = 45  # bit f: state field f (F_*, num_blocks rows included) is mi
 TB_FLAT_ENG = 46  # flat offset of the engine's [2, R] lengths (ENG_*), written for added rows only; -1: none
 TB_TOK_EXT = 47  # 1: a new request's token ids are staged for an external target (not the flat tensor)
 TB_STG_TOK_N = 48  # staged token elements of the step (external target), at the front of the slot
-TB_SIZE = 49
+TB_STG_STRIDE = 49  # row stride of the per-request rows (state, engine lengths) on the device: R rounded up to 4
+TB_SIZE = 50
 
 # rows of the engine's lengths region (TB_FLAT_ENG): seeded when a request is
 # added, then advanced by the engine's own device code, never by the host

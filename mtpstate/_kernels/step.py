@@ -176,6 +176,7 @@ from mtpstate._kernels.slots import (
     TB_STG_N,
     TB_STG_ON,
     TB_STG_POS,
+    TB_STG_STRIDE,
     TB_STG_TOK_N,
     TB_STG_VAL,
     TB_TOK,
@@ -202,14 +203,14 @@ def _check_int31_list(seq, tp, value_error):
     return n, OK
 
 
-@jit(signature="int64(int64, int64, int64, boolean, int64, int64, int64)")
-def _put(a_state, pos, v, staging, a_stg_pos, a_stg_val, ns):
-    """state[pos] = v; stage it for the device only if the value changed
-    (bytes shipped grow with what changed)."""
+@jit(signature="int64(int64, int64, int64, int64, boolean, int64, int64, int64)")
+def _put(a_state, pos, dpos, v, staging, a_stg_pos, a_stg_val, ns):
+    """state[pos] = v; stage it (at the device position ``dpos``) only if
+    the value changed (bytes shipped grow with what changed)."""
     old = ld32(a_state, pos)
     st32(a_state, pos, v)
     if staging and old != v:
-        st64(a_stg_pos, ns, pos)
+        st64(a_stg_pos, ns, dpos)
         st32(a_stg_val, ns, v)
         ns += 1
     return ns
@@ -354,7 +355,7 @@ def _open_cached(tb, tp, cid, cnct_kind, cnct, cnct_n, cblk, array_ok, R):
 
 @jit(inline="always")
 def _append_blocks(
-    blocks, replace, tp, a_state, R, ng, r, bt_addr, bt_w, flat_bt, staging, fields, a_stg_pos, a_stg_val, ns
+    blocks, replace, tp, a_state, R, SR, ng, r, bt_addr, bt_w, flat_bt, staging, fields, a_stg_pos, a_stg_val, ns
 ):
     """Append (or, for a resumed request, write from 0) one cached request's
     validated new block ids, one list per group, to row ``r``; update
@@ -369,7 +370,7 @@ def _append_blocks(
         )
         st32(a_state, nbpos, start + c)
         if staging and (fields >> (F_NB + g)) & 1:
-            st64(a_stg_pos, ns, nbpos)
+            st64(a_stg_pos, ns, (F_NB + g) * SR + r)
             st32(a_stg_val, ns, start + c)
             ns += 1
     return ns
@@ -509,6 +510,7 @@ def _update_only(ixc, tbc, cid, cnct_kind, cnct, cnct_n, cblk, nst, spec, total)
     a_prev_obj, a_prev_row, a_rpp, a_prev_obj_next, a_prev_row_next, a_rpp_next = _prediction_buffers(tb, R, cur)
     staging = tb[TB_STG_ON] != 0
     fields = tb[TB_STG_FIELDS]
+    SR = tb[TB_STG_STRIDE]  # the device's row stride for staged positions
     stg_nct = staging and (fields >> F_NCT) & 1 != 0
     stg_ncpt = staging and (fields >> F_NCPT) & 1 != 0
     stg_cap = tb[TB_STG_CAP]
@@ -617,9 +619,9 @@ def _update_only(ixc, tbc, cid, cnct_kind, cnct, cnct_n, cblk, nst, spec, total)
             _undo_update(a_state, a_scr, a_prev_row if sync else a_prev_row_next, R, i)
             return _err(tb, code, i, arg, PH_CACHED, field)
         st32(a_scr, O_NCT + i, ld32(a_state, F_NCT * R + row))  # undo log
-        ns = _put(a_state, F_NCT * R + row, v, stg_nct, a_stg_pos, a_stg_val, ns)
+        ns = _put(a_state, F_NCT * R + row, F_NCT * SR + row, v, stg_nct, a_stg_pos, a_stg_val, ns)
         m = min(v, ld32(a_state, F_PREFILL * R + row))
-        ns = _put(a_state, F_NCPT * R + row, m, stg_ncpt, a_stg_pos, a_stg_val, ns)
+        ns = _put(a_state, F_NCPT * R + row, F_NCPT * SR + row, m, stg_ncpt, a_stg_pos, a_stg_val, ns)
         st32(a_res, i, row)
         if not sync:
             st64(a_prev_obj_next, i, _owned_obj(obj, tp))
@@ -680,6 +682,7 @@ def _update_only(ixc, tbc, cid, cnct_kind, cnct, cnct_n, cblk, nst, spec, total)
             tp,
             a_state,
             R,
+            SR,
             ng,
             r,
             bt_addr,
@@ -764,6 +767,7 @@ def _general(ixc, tbc, fin, pre, new, cid, cnct_kind, cnct, cnct_n, cblk, cres, 
     tok_ext = tb[TB_TOK_EXT] != 0
     eng = tb[TB_FLAT_ENG]
     fields = tb[TB_STG_FIELDS]
+    SR = tb[TB_STG_STRIDE]  # the device's row stride for staged positions
     stg_nct = staging and (fields >> F_NCT) & 1 != 0
     stg_ncpt = staging and (fields >> F_NCPT) & 1 != 0
     a_state = tb[TB_STATE]
@@ -1156,13 +1160,13 @@ def _general(ixc, tbc, fin, pre, new, cid, cnct_kind, cnct, cnct_n, cblk, cres, 
         if staging:
             for f in range(F_NB + ng):
                 if (fields >> f) & 1:
-                    stg_pos[ns] = f * R + r
+                    stg_pos[ns] = f * SR + r
                     stg_val[ns] = state[f * R + r]
                     ns += 1
             if eng >= 0:  # the engine's own copies, seeded once per added row
-                stg_pos[ns] = eng + ENG_TOTAL_LEN * R + r
+                stg_pos[ns] = eng + ENG_TOTAL_LEN * SR + r
                 stg_val[ns] = npf
-                stg_pos[ns + 1] = eng + ENG_NCT * R + r
+                stg_pos[ns + 1] = eng + ENG_NCT * SR + r
                 stg_val[ns + 1] = nct
                 ns += 2
     # (freeing lowered the free-row hint; rows below it are still all live)
@@ -1172,14 +1176,29 @@ def _general(ixc, tbc, fin, pre, new, cid, cnct_kind, cnct, cnct_n, cblk, cres, 
             r = ld32(a_scr, O_ROWS + i)
             v = ld32(a_scr, O_NCT + i)
             res[i] = r
-            ns = _put(a_state, F_NCT * R + r, v, stg_nct, a_stg_pos, a_stg_val, ns)
+            ns = _put(a_state, F_NCT * R + r, F_NCT * SR + r, v, stg_nct, a_stg_pos, a_stg_val, ns)
             m = min(v, ld32(a_state, F_PREFILL * R + r))
-            ns = _put(a_state, F_NCPT * R + r, m, stg_ncpt, a_stg_pos, a_stg_val, ns)
+            ns = _put(a_state, F_NCPT * R + r, F_NCPT * SR + r, m, stg_ncpt, a_stg_pos, a_stg_val, ns)
             b = _item(i_cblk, i)
             if b != none:
                 resumed = ld32(a_scr, O_FLAGS + i) == 1
                 ns = _append_blocks(
-                    b, resumed, tp, a_state, R, ng, r, bt_addr, bt_w, flat_bt, staging, fields, a_stg_pos, a_stg_val, ns
+                    b,
+                    resumed,
+                    tp,
+                    a_state,
+                    R,
+                    SR,
+                    ng,
+                    r,
+                    bt_addr,
+                    bt_w,
+                    flat_bt,
+                    staging,
+                    fields,
+                    a_stg_pos,
+                    a_stg_val,
+                    ns,
                 )
             # remember this update's order and objects for the next prediction
             # (row_prev_pos[r] is trusted only where prev_row points back at r)
