@@ -1,34 +1,146 @@
-"""Markdown tables from the committed benchmark results.
+"""The documentation's figures, generated from the committed benchmark results.
+
+Every table of figures in README.md, docs/benchmarks.md and docs/vllm.md sits
+between ``<!-- report:NAME -->`` and ``<!-- /report:NAME -->`` and is written
+by this script from:
+
+- ``docs/bench-cpu.json``: ``mtpstate bench --full --json ...`` (the kernel
+  on mtpstate's own workloads);
+- ``docs/bench-vllm.json`` and ``docs/bench-vllm-runner.json``: ``make
+  bench-vllm`` (the whole bookkeeping and the runner's host step, on vLLM
+  0.34.0's real scheduler output).
 
 Usage:
-  python benchmarks/report.py docs/bench-cpu.json      # mtpstate bench --json (docs/benchmarks.md)
-  python benchmarks/report.py docs/bench-vllm-runner.json   # make bench-vllm, the runner (docs/vllm.md)
+  python benchmarks/report.py --write     # rewrite the regions in the docs
+  python benchmarks/report.py --plots     # docs/img/runner.png, docs/img/bookkeeping.png (matplotlib)
+  python benchmarks/report.py --check     # exit 1 if a region differs from its JSON (tests/test_docs.py)
+  python benchmarks/report.py NAME        # print one region
 """
 
+from __future__ import annotations
+
 import json
+import os
+import re
 import sys
 
-RUNNER_ORDER = ("steady", "busy")
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+DOCS = os.path.join(ROOT, "docs")
+FILES = ("README.md", "docs/benchmarks.md", "docs/vllm.md")
+_REGION = re.compile(r"(<!-- report:([\w-]+) -->\n)(.*?)(<!-- /report:\2 -->)", re.S)
 
 
-def _n(name: str) -> int:
-    return int(name.rsplit("-", 1)[1])
+def _load(name: str):
+    with open(os.path.join(DOCS, name)) as f:
+        d = json.load(f)
+    return (d["machine"], d["results"]) if isinstance(d, dict) and "results" in d else (None, d)
+
+
+def _n(workload: str) -> int:
+    return int(workload.rsplit("-", 1)[1])
 
 
 def _opt(x) -> str:
     return "-" if x is None else f"{x:.0f}"
 
 
-def runner_table(results: list[dict]) -> str:
+def _x(r: float) -> str:
+    return f"{r:.1f}x" if r >= 10 else f"{r:.2f}x"
+
+
+def machine_line(m: dict | None) -> str:
+    if m is None:
+        return "Machine: not recorded."
+    s = f"Machine: {m['cpu']}, {m['cores']} cores; Python {m['python']}, numpy {m['numpy']}, numba {m['numba']}"
+    s += f", torch {m.get('torch')}"
+    if m.get("vllm"):
+        s += f", vLLM {m['vllm']}"
+    return s + f". Run {m.get('date', '(date not recorded)')}, mtpstate {m.get('mtpstate', '?')}."
+
+
+# ----------------------------------------------------------------------------
+# the three levels
+
+
+def kernel_tables() -> str:
+    """mtpstate bench: loop vs RequestTable on the own workloads."""
+    d = json.load(open(os.path.join(DOCS, "bench-cpu.json")))
+    res = d["results"]
+    out = [machine_line(d["machine"]) + f" Kernel compile/cache-load before timing: {d['warmup_s'] * 1e3:.0f} ms.", ""]
+    for wl in ("steady-decode", "steady-decode-fresh-ids", "mixed"):
+        out += [
+            f"**{wl}** (median us per step; speedup: ratio of medians; paired: median and p10-p90 of per-step ratios)",
+            "",
+            "| N | loop | RequestTable | speedup | paired |",
+            "|---:|---:|---:|---:|---:|",
+        ]
+        for n in sorted({r["n"] for r in res if r["workload"] == wl}):
+            g = {r["impl"]: r for r in res if r["workload"] == wl and r["n"] == n}
+            v, lp = g["vectorized"], g["loop"]
+            out.append(
+                f"| {n} | {lp['median_us']:.1f} | {v['median_us']:.1f} | **{_x(v['speedup'])}** | "
+                f"{_x(v['paired_speedup_median'])} ({v['paired_speedup_p10']:.1f}-{v['paired_speedup_p90']:.1f}) |"
+            )
+        out.append("")
+    out += [
+        "**id lookup, freshly unpickled ids** (median us per batch)",
+        "",
+        "| N | dict + fromiter | RequestIndex.lookup | speedup | paired |",
+        "|---:|---:|---:|---:|---:|",
+    ]
+    for n in sorted({r["n"] for r in res if r["workload"].startswith("index")}):
+        g = {r["impl"]: r for r in res if r["workload"].startswith("index") and r["n"] == n}
+        x = g["index"]
+        out.append(
+            f"| {n} | {g['dict']['median_us']:.2f} | {x['median_us']:.2f} | **{_x(x['speedup'])}** | "
+            f"{_x(x['paired_speedup_median'])} ({x['paired_speedup_p10']:.2f}-{x['paired_speedup_p90']:.2f}) |"
+        )
+    return "\n".join(out).rstrip()
+
+
+def bookkeeping_table() -> str:
+    """vLLM's finish/add/update + gather_batch_req_state vs apply(so).batch."""
+    m, res = _load("bench-vllm.json")
+    by = {r["workload"]: r for r in res}
+    sizes = sorted({_n(w) for w in by})
+    out = [
+        machine_line(m),
+        "",
+        "| N | steady: vLLM vs mtpstate, us | speedup (paired median, p10-p90) | busy: vLLM vs mtpstate, us "
+        "| speedup (paired median, p10-p90) | apply alone, steady, ns per request |",
+        "|---:|---:|---:|---:|---:|---:|",
+    ]
+    for n in sizes:
+        cells = [str(n)]
+        for kind in ("steady", "busy"):
+            r = by.get(f"{kind}-{n}")
+            if r is None:
+                cells += ["-", "-"]
+                continue
+            cells.append(f"{r['mrv2_median_us']:.1f} vs {r['mtpstate_median_us']:.1f}")
+            cells.append(
+                f"**{_x(r['speedup'])}** ({_x(r['paired_median'])}, {r['paired_p10']:.1f}-{r['paired_p90']:.1f})"
+            )
+        s = by.get(f"steady-{n}")
+        cells.append("-" if s is None else f"{s['apply_alone_ns_per_request']:.0f}")
+        out.append("| " + " | ".join(cells) + " |")
+    return "\n".join(out)
+
+
+RUNNER_ORDER = ("steady", "busy")
+
+
+def runner_table(results: list[dict] | None = None) -> str:
     """The runner's host step, vLLM's methods (off) vs mtpstate through the
     plugin (on), one row per workload, from ``harness.py --bench --runner``."""
-    head = (
+    if results is None:
+        results = _load("bench-vllm-runner.json")[1]
+    rows = [
         "| workload | max running | off (vLLM), us | on (mtpstate), us | speedup (paired median, p10-p90) "
         "| off: update / gather / prepare, us | on: update / gather / prepare, us "
-        "| torch ops off | torch ops on | launches off | launches on |\n"
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"
-    )
-    rows = [head]
+        "| torch ops off | torch ops on | launches off | launches on |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
     key = lambda r: (RUNNER_ORDER.index(r["workload"].split("-")[0]), _n(r["workload"]))  # noqa: E731
     for r in sorted(results, key=key):
         ph, ops = r["phases_us"], r["torch_ops"]
@@ -48,63 +160,172 @@ def runner_table(results: list[dict]) -> str:
     return "\n".join(rows)
 
 
-def main(path):
-    d = json.load(open(path))
-    if isinstance(d, list) and d and "vllm_median_us" in d[0]:
-        print(runner_table(d))
-        return
-    res = d["results"]
-    m = d["machine"]
-    print(
-        f"Machine: {m['cpu']}, {m['cores']} cores; Python {m['python']}, numpy {m['numpy']}, numba {m['numba']}, "
-        f"torch {m['torch']}. Kernel compile/cache-load before timing: {d['warmup_s'] * 1e3:.0f} ms.\n"
-    )
-    for wl in ("steady-decode", "steady-decode-fresh-ids", "mixed"):
-        print(
-            f"**{wl}** (median us per step; speedup = median ratio; paired = median and p10-p90 of per-step ratios)\n"
+def runner_summary() -> str:
+    m, res = _load("bench-vllm-runner.json")
+    by = {r["workload"]: r for r in res}
+    out = [
+        machine_line(m),
+        "",
+        "| N | steady: vLLM vs mtpstate, us | speedup (paired median, p10-p90) | busy: vLLM vs mtpstate, us "
+        "| speedup (paired median, p10-p90) |",
+        "|---:|---:|---:|---:|---:|",
+    ]
+    for n in sorted({_n(w) for w in by}):
+        cells = [str(n)]
+        for kind in ("steady", "busy"):
+            r = by[f"{kind}-{n}"]
+            cells.append(f"{r['vllm_median_us']:.0f} vs {r['mtpstate_median_us']:.0f}")
+            cells.append(
+                f"**{r['speedup']:.2f}x** ({r['paired_median']:.2f}x, {r['paired_p10']:.2f}-{r['paired_p90']:.2f})"
+            )
+        out.append("| " + " | ".join(cells) + " |")
+    return "\n".join(out)
+
+
+def headline() -> str:
+    """README: one row per N, each level's paired-median speedup."""
+    cpu = json.load(open(os.path.join(DOCS, "bench-cpu.json")))["results"]
+    kern = {r["n"]: r for r in cpu if r["workload"] == "steady-decode" and r["impl"] == "vectorized"}
+    book = {r["workload"]: r for r in _load("bench-vllm.json")[1]}
+    run = {r["workload"]: r for r in _load("bench-vllm-runner.json")[1]}
+    sizes = sorted({_n(w) for w in run} | {_n(w) for w in book})
+    out = [
+        "| running requests | own steady decode: kernel vs loop | vLLM's steps, bookkeeping: steady / busy "
+        "| vLLM's runner, host step: steady / busy |",
+        "|---:|---:|---:|---:|",
+    ]
+
+    def cell(d, k):
+        return _x(d[k]["paired_median"]) if k in d else "-"
+
+    for n in sizes:
+        k = f"{_x(kern[n]['paired_speedup_median'])}" if n in kern else "-"
+        out.append(
+            f"| {n} | {k} | {cell(book, f'steady-{n}')} / {cell(book, f'busy-{n}')} "
+            f"| {cell(run, f'steady-{n}')} / {cell(run, f'busy-{n}')} |"
         )
-        print(
-            "| N | loop | vectorized | speedup | paired | mirror | mirror / host-only | loop-mirror | mirror speedup |"
-        )
-        print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
-        for n in sorted({r["n"] for r in res if r["workload"] == wl}):
-            g = {r["impl"]: r for r in res if r["workload"] == wl and r["n"] == n}
-            v, lp = g["vectorized"], g["loop"]
-            row = [
-                f"{n}",
-                f"{lp['median_us']:.1f}",
-                f"{v['median_us']:.1f}",
-                f"**{v['speedup']:.1f}x**",
-                f"{v['paired_speedup_median']:.1f}x ({v['paired_speedup_p10']:.1f}-{v['paired_speedup_p90']:.1f})",
-            ]
-            if "mirror" in g:
-                mi, lm = g["mirror"], g["loop-mirror"]
-                row += [
-                    f"{mi['median_us']:.1f}",
-                    f"{mi['overhead_vs_host_median']:.2f}x",
-                    f"{lm['median_us']:.1f}",
-                    f"{mi['speedup']:.1f}x",
-                ]
-            else:
-                row += ["-"] * 4
-            print("| " + " | ".join(row) + " |")
-        print()
-    print("**index lookup, freshly unpickled ids** (median us per batch)\n")
-    print("| N | dict + fromiter | RequestIndex.lookup | speedup | paired |")
-    print("|---:|---:|---:|---:|---:|")
-    for n in sorted({r["n"] for r in res if r["workload"].startswith("index")}):
-        g = {r["impl"]: r for r in res if r["workload"].startswith("index") and r["n"] == n}
-        x = g["index"]
-        print(
-            f"| {n} | {g['dict']['median_us']:.2f} | {x['median_us']:.2f} | **{x['speedup']:.2f}x** | "
-            f"{x['paired_speedup_median']:.2f}x ({x['paired_speedup_p10']:.2f}-{x['paired_speedup_p90']:.2f}) |"
-        )
-    print("\n**fixed cost per step and per-request slope**\n")
-    print("| workload | impl | fixed (N = 1), us | slope (N >= 64), ns/request |")
-    print("|---|---|---:|---:|")
-    for f in d["fits"]:
-        print(f"| {f['workload']} | {f['impl']} | {f['fixed_us']:.2f} | {f['slope_ns']:.1f} |")
+    return "\n".join(out)
+
+
+REGIONS = {
+    "headline": headline,
+    "kernel": kernel_tables,
+    "bookkeeping": bookkeeping_table,
+    "runner-summary": runner_summary,
+    "runner": runner_table,
+}
+
+
+# ----------------------------------------------------------------------------
+# plots
+
+
+def plots() -> list[str]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    written = []
+    for name, title, data, off_key, on_key in (
+        (
+            "runner.png",
+            "vLLM's runner: host part of execute_model up to the forward",
+            _load("bench-vllm-runner.json"),
+            "vllm_median_us",
+            "mtpstate_median_us",
+        ),
+        (
+            "bookkeeping.png",
+            "Request-state bookkeeping on vLLM's real steps (finish/add/update + batch)",
+            _load("bench-vllm.json"),
+            "mrv2_median_us",
+            "mtpstate_median_us",
+        ),
+    ):
+        m, res = data
+        fig, axes = plt.subplots(1, 2, figsize=(11, 4.2), sharey=True)
+        for ax, kind in zip(axes, ("steady", "busy")):
+            rs = sorted((r for r in res if r["workload"].startswith(kind + "-")), key=lambda r: _n(r["workload"]))
+            ns = [_n(r["workload"]) for r in rs]
+            ax.plot(ns, [r[off_key] for r in rs], "o-", color="tab:gray", label="vLLM 0.34.0")
+            ax.plot(ns, [r[on_key] for r in rs], "o-", color="tab:blue", label="with mtpstate")
+            for x, r in zip(ns, rs):
+                ax.annotate(f"{r['paired_median']:.1f}x", (x, r[on_key]), textcoords="offset points",
+                            xytext=(0, -14), ha="center", fontsize=8, color="tab:blue")  # fmt: skip
+            ax.set_xscale("log")
+            ax.set_yscale("log")
+            ax.set_xticks(ns)
+            ax.set_xticklabels([str(n) for n in ns])
+            ax.set_xlabel("running requests (N)")
+            ax.set_title("steady decode" if kind == "steady" else "busy (arrivals and finishes every step)")
+            ax.grid(True, which="both", alpha=0.3)
+        axes[0].set_ylabel("median us per step (log)")
+        axes[0].legend(loc="upper left")
+        fig.suptitle(title + "\n(labels: paired median speedup)", fontsize=10)
+        foot = machine_line(m).replace("Machine: ", "")
+        fig.text(0.5, 0.005, foot, ha="center", fontsize=7, color="0.4")
+        fig.tight_layout(rect=(0, 0.03, 1, 1))
+        path = os.path.join(DOCS, "img", name)
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+        written.append(path)
+    return written
+
+
+# ----------------------------------------------------------------------------
+# the docs' regions
+
+
+def _rewrite(text: str) -> str:
+    return _REGION.sub(lambda m: m.group(1) + REGIONS[m.group(2)]() + "\n" + m.group(4), text)
+
+
+def check() -> list[str]:
+    """The (file, region) pairs whose text differs from what the JSON gives."""
+    bad = []
+    for rel in FILES:
+        with open(os.path.join(ROOT, rel)) as f:
+            text = f.read()
+        for m in _REGION.finditer(text):
+            if m.group(3) != REGIONS[m.group(2)]() + "\n":
+                bad.append(f"{rel}: {m.group(2)}")
+    return bad
+
+
+def write() -> None:
+    for rel in FILES:
+        path = os.path.join(ROOT, rel)
+        with open(path) as f:
+            text = f.read()
+        new = _rewrite(text)
+        if new != text:
+            with open(path, "w") as f:
+                f.write(new)
+            print(f"rewrote {rel}")
+
+
+def main(argv: list[str]) -> int:
+    if not argv or argv[0] in ("-h", "--help"):
+        print(__doc__)
+        return 0
+    if argv[0] == "--write":
+        write()
+    elif argv[0] == "--plots":
+        for p in plots():
+            print(f"wrote {os.path.relpath(p, ROOT)}")
+    elif argv[0] == "--check":
+        bad = check()
+        for b in bad:
+            print(f"differs from its JSON: {b} (run: python benchmarks/report.py --write)")
+        return 1 if bad else 0
+    elif argv[0] in REGIONS:
+        print(REGIONS[argv[0]]())
+    else:
+        print(f"unknown region {argv[0]!r}; one of {', '.join(REGIONS)}", file=sys.stderr)
+        return 2
+    return 0
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    sys.exit(main(sys.argv[1:]))

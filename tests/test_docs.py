@@ -57,18 +57,35 @@ def test_vllm_adapter_imports_no_vllm():
     assert p.returncode == 0 and "ModelRunnerV2State" in p.stdout, p.stderr
 
 
-def test_runner_table_is_generated_from_the_committed_json():
-    """docs/vllm.md's runner table is `benchmarks/report.py
-    docs/bench-vllm-runner.json`'s output, verbatim."""
+def _report():
     import importlib.util
-    import json
     import os
 
-    root = os.path.join(os.path.dirname(__file__), "..")
-    spec = importlib.util.spec_from_file_location("report", os.path.join(root, "benchmarks", "report.py"))
+    path = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "report.py")
+    spec = importlib.util.spec_from_file_location("report", path)
     report = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(report)
-    with open(os.path.join(root, "docs", "bench-vllm-runner.json")) as f:
-        table = report.runner_table(json.load(f))
-    with open(os.path.join(root, "docs", "vllm.md")) as f:
-        assert table in f.read()
+    return report
+
+
+def test_figures_are_generated_from_the_committed_json():
+    """Every table of figures in README.md and docs/ is what
+    `benchmarks/report.py` makes of the committed JSON, verbatim; each
+    region is present where the docs rely on it."""
+    import os
+
+    report = _report()
+    assert report.check() == []
+    found = {}
+    for rel in report.FILES:
+        with open(os.path.join(report.ROOT, rel)) as f:
+            found[rel] = {m.group(2) for m in report._REGION.finditer(f.read())}
+    assert found["README.md"] >= {"headline"}
+    assert found["docs/benchmarks.md"] >= {"headline", "kernel", "bookkeeping", "runner-summary"}
+    assert found["docs/vllm.md"] >= {"runner", "bookkeeping"}
+
+
+def test_the_figures_check_can_fail(monkeypatch):
+    report = _report()
+    monkeypatch.setitem(report.REGIONS, "runner", lambda: "| a table typed by hand |")
+    assert report.check() == ["docs/vllm.md: runner"]
