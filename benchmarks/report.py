@@ -225,6 +225,7 @@ def plots() -> list[str]:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    import matplotlib.ticker
 
     written = []
     for name, title, data, off_key, on_key in (
@@ -255,11 +256,12 @@ def plots() -> list[str]:
                             xytext=(0, -14), ha="center", fontsize=8, color="tab:blue")  # fmt: skip
             ax.set_xscale("log")
             ax.set_yscale("log")
-            ax.set_xticks(ns)
-            ax.set_xticklabels([str(n) for n in ns])
+            ax.set_xticks(ns, [str(n) for n in ns])
+            ax.xaxis.set_minor_locator(matplotlib.ticker.NullLocator())
+            ax.set_ylim(0.4 * min(r[on_key] for r in res), 1.5 * max(r[off_key] for r in res))  # room for labels
             ax.set_xlabel("running requests (N)")
             ax.set_title("steady decode" if kind == "steady" else "busy (arrivals and finishes every step)")
-            ax.grid(True, which="both", alpha=0.3)
+            ax.grid(True, which="major", alpha=0.3)
         axes[0].set_ylabel("median us per step (log)")
         axes[0].legend(loc="upper left")
         fig.suptitle(title + "\n(labels: paired median speedup)", fontsize=10)
