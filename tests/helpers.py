@@ -123,3 +123,16 @@ class EngineSeeds:
             assert tok[k, : len(tokens)].tolist() == tokens, f"row {row}: token ids"
             assert int(total[k]) == len(tokens), f"row {row}: total_len"
             assert int(nct[k]) == n_computed, f"row {row}: num_computed_tokens"
+
+
+def apply_through_arrays(table, so) -> None:
+    """One scheduler step through the array entry point: ``finish``, ``add``,
+    then ``update_arrays`` with the cached requests' blocks as CSR arrays
+    (one KV-cache group)."""
+    table.finish(set(so.finished_req_ids) | set(so.preempted_req_ids or ()))
+    table.add(so.scheduled_new_reqs)
+    c = so.scheduled_cached_reqs
+    counts = [0 if b is None else len(b[0]) for b in c.new_block_ids]
+    offsets = [np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)]
+    values = [np.array([x for b in c.new_block_ids if b is not None for x in b[0]], np.int32)]
+    table.update_arrays(c.req_ids, np.array(c.num_computed_tokens, np.int64), offsets, values)

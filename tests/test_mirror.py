@@ -3,7 +3,7 @@ transfer volume of a steady decode step; CUDA-only checks (marked ``cuda``)."""
 
 import numpy as np
 import pytest
-from helpers import ENGINE_FIELDS, SIM_KNOBS, EngineSeeds, engine_mirror_options, genericize
+from helpers import ENGINE_FIELDS, SIM_KNOBS, EngineSeeds, apply_through_arrays, engine_mirror_options, genericize
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -55,13 +55,7 @@ def test_update_arrays_and_phases_are_mirrored():
     sim = Simulator(**cfg, num_spec=2, seed=4, prompt_len=(1, 50), output_len=(2, 30))
     t = RequestTable(**cfg, device="cpu")
     for so in sim.run(30):
-        t.finish(set(so.finished_req_ids) | set(so.preempted_req_ids or ()))
-        t.add(so.scheduled_new_reqs)
-        c = so.scheduled_cached_reqs
-        counts = [0 if b is None else len(b[0]) for b in c.new_block_ids]
-        offsets = [np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)]
-        values = [np.array([x for b in c.new_block_ids if b is not None for x in b[0]], np.int32)]
-        t.update_arrays(c.req_ids, np.array(c.num_computed_tokens, np.int64), offsets, values)
+        apply_through_arrays(t, so)
         assert_mirrored(t)
 
 
@@ -242,25 +236,14 @@ def test_cuda_array_entry_and_duplicates_every_step():
     for so in sim.run(40):
         with torch.cuda.stream(stream):
             torch.cuda._sleep(500_000)
-        t.finish(set(so.finished_req_ids) | set(so.preempted_req_ids or ()))
-        t.add(so.scheduled_new_reqs)
-        c = so.scheduled_cached_reqs
-        counts = [0 if b is None else len(b[0]) for b in c.new_block_ids]
-        offsets = [np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)]
-        values = [np.array([x for b in c.new_block_ids if b is not None for x in b[0]], np.int32)]
-        t.update_arrays(c.req_ids, np.array(c.num_computed_tokens, np.int64), offsets, values)
+        apply_through_arrays(t, so)
         snaps.append(_snapshot(t))
         hosts.append(_host(t))
-    from test_table import _cached, _new, _so
+    from test_table import SAME_STEP_TABLE, same_step_steps
 
-    t = RequestTable(max_num_reqs=4, max_model_len=64, block_sizes=[16], max_num_blocks_per_group=[4], device="cuda")
-    for so in [
-        _so(new=[_new("a", blocks=([1, 2],)), _new("b")]),
-        _so(cached=_cached(["a", "b"], [4, 4])),
-        _so(new=[_new("a", n=6, nct=2, blocks=([5],))], cached=_cached(["b"], [4])),
-        _so(fin=["b"], new=[_new("b", n=3, blocks=([6],))], cached=_cached(["a", "b"], [3, 1], [None, ([7],)])),
-        _so(new=[_new("x", n=2)], cached=_cached(["x", "a"], [1, 4])),
-    ]:
+    t = RequestTable(**SAME_STEP_TABLE, device="cuda")
+    setup, steps = same_step_steps()
+    for so in setup + steps:
         with torch.cuda.stream(t._mirror._stream):
             torch.cuda._sleep(500_000)
         t.apply(so)

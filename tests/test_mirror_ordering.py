@@ -16,7 +16,7 @@ import random
 
 import numpy as np
 import pytest
-from helpers import EngineSeeds, engine_mirror_options
+from helpers import EngineSeeds, apply_through_arrays, engine_mirror_options
 
 torch = pytest.importorskip("torch", reason="the device mirror needs torch")
 
@@ -219,8 +219,13 @@ def test_engine_targets_on_deferred_device(depth):
     per added row, new requests' token ids scattered into an engine tensor)
     under random holds: every consumer read sees exactly what each row's
     last add seeded."""
-    R, L = 48, 512
-    ops = DeferredOps(torch, seed=10 + depth)
+    # with the consumer not waiting for the copy, its reads see stale rows
+    assert _engine_run(DeferredOps, depth) == 0
+    assert _engine_run(ConsumerNotAfterCopy, depth) > 0
+
+
+def _engine_run(ops_cls, depth, R=48, L=512) -> int:
+    ops = ops_cls(torch, seed=10 + depth)
     target = torch.full((R, L), -1, dtype=torch.int32)
     t = RequestTable(
         max_num_reqs=R,
@@ -231,20 +236,7 @@ def test_engine_targets_on_deferred_device(depth):
     )
     seeds = EngineSeeds()
     checker = Checker(ops, t, target=target, seeds=seeds)
-    assert _drive(ops, t, checker, _sim(R, L, depth), 200, depth, seeds=seeds) == 0
-    # the same with the consumer not waiting for the copy: its reads see stale rows
-    ops = ConsumerNotAfterCopy(torch, seed=10 + depth)
-    target = torch.full((R, L), -1, dtype=torch.int32)
-    t = RequestTable(
-        max_num_reqs=R,
-        max_model_len=L,
-        block_sizes=(16, 32),
-        device="cpu",
-        mirror_options=engine_mirror_options(target, ring_depth=depth, ops=ops),
-    )
-    seeds = EngineSeeds()
-    checker = Checker(ops, t, target=target, seeds=seeds)
-    assert _drive(ops, t, checker, _sim(R, L, depth), 200, depth, seeds=seeds) > 0
+    return _drive(ops, t, checker, _sim(R, L, depth), 200, depth, seeds=seeds)
 
 
 def test_host_token_ids_refused_on_an_asynchronous_device():
@@ -264,27 +256,15 @@ def test_array_entry_and_same_step_duplicates_on_deferred_device():
     stage an element twice (a row added and updated by the same step: the
     last write must win on the device), and the array entry point
     (``finish`` / ``add`` / ``update_arrays``, shipped by ``stage_arrays``)."""
-    from test_table import _cached, _new, _so
+    from test_table import SAME_STEP_TABLE, same_step_steps
 
     from mtpstate._kernels import step as T
 
     ops = DeferredOps(torch, seed=5)
-    t = RequestTable(
-        max_num_reqs=4,
-        max_model_len=64,
-        block_sizes=[16],
-        max_num_blocks_per_group=[4],
-        device="cpu",
-        mirror_options={"ops": ops},
-    )
+    t = RequestTable(**SAME_STEP_TABLE, device="cpu", mirror_options={"ops": ops})
     checker = Checker(ops, t)
-    steps = [
-        _so(new=[_new("a", blocks=([1, 2],)), _new("b")]),
-        _so(cached=_cached(["a", "b"], [4, 4])),
-        _so(new=[_new("a", n=6, nct=2, blocks=([5],))], cached=_cached(["b"], [4])),
-        _so(fin=["b"], new=[_new("b", n=3, blocks=([6],))], cached=_cached(["a", "b"], [3, 1], [None, ([7],)])),
-        _so(new=[_new("x", n=2)], cached=_cached(["x", "a"], [1, 4])),
-    ]
+    setup, steps = same_step_steps()
+    steps = setup + steps
     ops.hold(t._mirror._stream)
     dups = 0
     for so in steps:
@@ -302,13 +282,7 @@ def test_array_entry_and_same_step_duplicates_on_deferred_device():
     for so in sim.run(40):
         (ops2.hold if rng.random() < 0.5 else ops2.release)(t2._mirror._stream)
         checker2.read()
-        t2.finish(set(so.finished_req_ids) | set(so.preempted_req_ids or ()))
-        t2.add(so.scheduled_new_reqs)
-        c = so.scheduled_cached_reqs
-        counts = [0 if b is None else len(b[0]) for b in c.new_block_ids]
-        offsets = [np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)]
-        values = [np.array([x for b in c.new_block_ids if b is not None for x in b[0]], np.int32)]
-        t2.update_arrays(c.req_ids, np.array(c.num_computed_tokens, np.int64), offsets, values)
+        apply_through_arrays(t2, so)
         checker2.read()
         ops2.run_some(rng.randrange(0, 5))
     for o in (ops, ops2):

@@ -211,14 +211,15 @@ def test_error_messages_name_the_request():
         t.apply(BAD_STEPS["new nct above prefill_len"][0])
 
 
-def test_resent_and_same_step_semantics():
-    """A re-sent live id is removed and added again; a finished id re-added in
-    the same step is live; cached ids of requests added by this very step
-    are found."""
-    t = _fresh_table()
-    loop = LoopRequestTable(max_num_reqs=4, max_model_len=64, block_sizes=[16], max_num_blocks_per_group=[4])
-    loop.apply(_so(new=[_new("a", blocks=([1, 2],)), _new("b")]))
-    loop.apply(_so(cached=_cached(["a", "b"], [4, 4])))
+SAME_STEP_TABLE = dict(max_num_reqs=4, max_model_len=64, block_sizes=[16], max_num_blocks_per_group=[4])
+
+
+def same_step_steps():
+    """(set-up steps, steps) where a live id is re-sent, a finished id is
+    re-added in the same step, cached ids name requests added by the very
+    same step (an element staged twice), and a preempted request comes back
+    (for a table of SAME_STEP_TABLE)."""
+    setup = [_so(new=[_new("a", blocks=([1, 2],)), _new("b")]), _so(cached=_cached(["a", "b"], [4, 4]))]
     steps = [
         _so(new=[_new("a", n=6, nct=2, blocks=([5],))], cached=_cached(["b"], [4])),
         _so(fin=["b"], new=[_new("b", n=3, blocks=([6],))], cached=_cached(["a", "b"], [3, 1], [None, ([7],)])),
@@ -226,6 +227,18 @@ def test_resent_and_same_step_semantics():
         _so(pre={"a"}, new=[_new("a", n=8, nct=8, prefill=list(range(8)), blocks=([1],))]),
         _so(cached=_cached(["a", "b", "x"], [8, 2, 2], [([2],), None, ([3],)], resumed={"a"})),
     ]
+    return setup, steps
+
+
+def test_resent_and_same_step_semantics():
+    """A re-sent live id is removed and added again; a finished id re-added in
+    the same step is live; cached ids of requests added by this very step
+    are found."""
+    t = _fresh_table()
+    loop = LoopRequestTable(max_num_reqs=4, max_model_len=64, block_sizes=[16], max_num_blocks_per_group=[4])
+    setup, steps = same_step_steps()
+    for so in setup:
+        loop.apply(so)
     for so in steps:
         t.apply(so)
         loop.apply(so)
