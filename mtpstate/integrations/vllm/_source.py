@@ -129,9 +129,14 @@ def _segment(lines: list[str], node: ast.AST) -> str:
     return "\n".join(lines[a - 1 : b])
 
 
-def _touches(span: tuple[int, int], changed: list[tuple[str, int]]) -> bool:
+def _within(span: tuple[int, int], kind: str, i: int) -> bool:
+    """Whether a change (``("del", i)`` or ``("ins", i)``) falls inside ``span``."""
     a, b = span
-    return any(a <= i <= b if kind == "del" else a <= i < b for kind, i in changed)
+    return a <= i <= b if kind == "del" else a <= i < b
+
+
+def _touches(span: tuple[int, int], changed: list[tuple[str, int]]) -> bool:
+    return any(_within(span, kind, i) for kind, i in changed)
 
 
 def _members(tree: ast.Module) -> dict[str, dict[str, ast.AST]]:
@@ -220,15 +225,11 @@ def _check_accounted(old_tree, changed, covered, change) -> None:
     if change.imports and import_lines:
         inserts.append((min(import_lines) - 1, max(import_lines) + 1))
     for kind, i in changed:
-        if _touches_any(kind, i, covered):
+        if any(_within(s, kind, i) for s in covered):
             continue
-        if kind == "ins" and any(a <= i < b for a, b in inserts):
+        if kind == "ins" and any(_within(s, kind, i) for s in inserts):
             continue
         raise DiffError(f"line {i} of the original: a change outside the methods, imports and class attributes")
-
-
-def _touches_any(kind: str, i: int, spans: list[tuple[int, int]]) -> bool:
-    return any(_touches(span, [(kind, i)]) for span in spans)
 
 
 def compile_method(change: SourceChange, key: tuple[str, str], module_globals: dict, filename: str):

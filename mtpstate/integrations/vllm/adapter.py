@@ -264,49 +264,28 @@ class ModelRunnerV2State:
         step that adds it fail for every running request."""
         return self.table.accepts_request_id(req_id)
 
-    @property
-    def batch(self):
-        """The last applied step's :class:`~mtpstate.table.BatchReqState`
-        (None when the runner has no ``decode_query_len``)."""
-        return self._batch
-
     def gather_batch_req_state(self, cls, uniform_decode_token_count, use_pp: bool = False):
         """``GPUModelRunner.gather_batch_req_state`` for a real step: the
-        batch built by :meth:`apply`, as ``(cls(...), count)`` with ``count``
-        from vLLM's ``get_uniform_decode_token_count`` (passed in, so that
-        this module imports no vLLM)."""
-        b = self._batch
-        state = self.batch_req_state(cls, use_pp)
-        count = uniform_decode_token_count(len(b.req_ids), b.num_tokens, b.max_query_len, b.decode_graph_eligible)
-        return state, count
-
-    def batch_req_state(self, cls, use_pp: bool = False):
-        """The step's batch as vLLM's ``BatchReqState`` (``cls``, so that
-        this module imports no vLLM), for ``gather_batch_req_state``: the
-        arrays copied (vLLM's ``InputBatch`` keeps them past the next step's
-        apply), ``max_seq_len_np`` only with pipeline parallelism and a
-        prefill, as vLLM fills it."""
+        batch built by :meth:`apply`, as ``(cls(...), count)``: ``cls`` is
+        vLLM's ``BatchReqState`` and ``count`` comes from its
+        ``get_uniform_decode_token_count`` (both passed in, so that this
+        module imports no vLLM). The arrays are copied (vLLM's ``InputBatch``
+        keeps them past the next step's apply); ``max_seq_len_np`` only with
+        pipeline parallelism and a prefill, as vLLM fills it."""
         b = self._batch
         arrays = b.copy_arrays()
         has_prefill = b.has_prefill
         if not (use_pp and has_prefill):
             arrays["max_seq_len_np"] = None
-        return cls(
+        state = cls(
             req_ids=b.req_ids,
             num_tokens=b.num_tokens,
             has_prefill=has_prefill,
             decode_graph_eligible=b.decode_graph_eligible,
             **arrays,
         )
-
-    def batch_rows(self, req_ids) -> np.ndarray:
-        """Rows of ``req_ids`` (the batch order of ``gather_batch_req_state``)
-        as the ``np.intp`` array ``idx_mapping_np``: the step's batch when
-        ``req_ids`` is its order (no lookup at all), else one batched lookup."""
-        b = self._batch
-        if b is not None and (req_ids is b.req_ids or req_ids == b.req_ids):
-            return b.idx_mapping_np
-        return self.table.rows(req_ids).astype(np.intp)
+        count = uniform_decode_token_count(len(b.req_ids), b.num_tokens, b.max_query_len, b.decode_graph_eligible)
+        return state, count
 
     def idx_mapping(self, idx_mapping_np: np.ndarray):
         """``prepare_inputs``' ``idx_mapping``: the batch -> row mapping as an

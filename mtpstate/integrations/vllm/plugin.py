@@ -21,6 +21,7 @@ worker imports it lazily; the API server never does).
 
 from __future__ import annotations
 
+import importlib
 import importlib.abc
 import importlib.util
 import linecache
@@ -120,8 +121,6 @@ def check(module=None) -> Verdict:
         expected = SUPPORTED[max(SUPPORTED)]
     if module is None:
         try:
-            import importlib
-
             module = importlib.import_module(RUNNER_MODULE)
         except Exception as e:  # noqa: BLE001
             v.problems.append(f"{RUNNER_MODULE} fails to import: {type(e).__name__}: {e}")
@@ -188,8 +187,6 @@ def apply(module=None) -> Verdict:
     WARNING when the guard refuses."""
     with _lock:
         if module is None:
-            import importlib
-
             module = importlib.import_module(RUNNER_MODULE)
         v = check(module)
         if v.applied and v.ok:
