@@ -28,7 +28,7 @@ from __future__ import annotations
 import numpy as np
 
 from mtpstate import devices
-from mtpstate._kernels import step as T
+from mtpstate._kernels import slots as T
 from mtpstate.errors import StateError
 
 __all__ = ["DeviceMirror", "MIRRORED_FIELDS"]

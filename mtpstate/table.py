@@ -12,6 +12,7 @@ from __future__ import annotations
 import array
 import math
 import operator
+import sys
 from _thread import get_ident as _get_ident
 
 import numpy as np
@@ -188,24 +189,54 @@ class _NewRequest:
         self.max_tokens = max_tokens
 
 
-def _read_new_request(r, k: int) -> _NewRequest:
+# the attributes of a NewRequestData the kernel reads in place, by holder
+# slot (``H_*``); slot H_REQ carries array.array, the base type of the token
+# containers it reads as raw arrays. Interned: the kernel passes these very
+# objects to PyObject_GetAttr.
+_NEW_ATTRS = ("req_id", "prompt_token_ids", "prefill_token_ids", "block_ids", "num_computed_tokens", "sampling_params")
+_NEW_NAMES = (array.array, *(sys.intern(a) for a in _NEW_ATTRS), sys.intern("max_tokens"))
+_NEW_NAMES_ADDR = np.array([id(x) for x in _NEW_NAMES], np.int64)
+_NO_VALUE = object()
+
+
+def _read_new_request(r, k: int, held=(), failed=None) -> _NewRequest:
     """Bind one NewRequestData: read each attribute once, check the types
-    that cannot be checked by the kernel, leave ranges to the kernel."""
+    that cannot be checked by the kernel, leave ranges to the kernel.
+    ``held``: the values of the first attributes (``_NEW_ATTRS`` order, then
+    max_tokens) as the kernel read them, and ``failed``, the exception the
+    next read raised: those are not read again."""
+
+    def read(i, obj, name, default=_NO_VALUE):
+        if i < len(held):
+            return held[i]
+        try:
+            if i == len(held) and failed is not None:
+                raise failed
+            return getattr(obj, name)
+        except AttributeError:
+            if default is _NO_VALUE:
+                raise
+            return default
+
     try:
-        rid = r.req_id
+        rid = read(0, r, "req_id")
     except Exception as e:
         raise InvalidStepError(f"new request #{k}: req_id: {e!r}") from None
     if not isinstance(rid, str):
         raise InvalidStepError(f"new request #{k}: req_id must be str, got {type(rid).__name__} {_short(rid)}")
     try:
-        prompt = r.prompt_token_ids
-        tokens = getattr(r, "prefill_token_ids", None)
-        blocks = r.block_ids
-        nct = r.num_computed_tokens
-        sp = r.sampling_params
-        max_tokens = sp.max_tokens if sp is not None else None
+        prompt = read(1, r, "prompt_token_ids")
+        tokens = read(2, r, "prefill_token_ids", None)
+        blocks = read(3, r, "block_ids")
+        nct = read(4, r, "num_computed_tokens")
+        sp = read(5, r, "sampling_params")
+        max_tokens = read(6, sp, "max_tokens") if sp is not None else None
     except Exception as e:
         raise InvalidStepError(f"new request {rid!r}: {e!r}") from None
+    return _new_request_of(r, rid, prompt, tokens, blocks, nct, max_tokens)
+
+
+def _new_request_of(r, rid, prompt, tokens, blocks, nct, max_tokens) -> _NewRequest:
     tb = type(blocks)
     if (
         type(rid) is str
@@ -509,6 +540,7 @@ class _Step:
         "fin",
         "pre",
         "new",
+        "reqs",
         "cid",
         "cnct",
         "cblk",
@@ -523,7 +555,7 @@ class _Step:
 
     def __init__(self):
         self.fin = self.pre = self.cid = self.cnct = self.cblk = self.cres = self.desc = self.vec = None
-        self.nst = self.spec = self.total = None
+        self.nst = self.spec = self.total = self.reqs = None
         self.new = ()
         self.keep = []
 
@@ -543,6 +575,7 @@ class _Step:
             self.nst,
             self.spec,
             self.total,
+            self.reqs,
         )
 
 
@@ -705,6 +738,9 @@ class RequestTable:
         c[T.TB_B_N] = -1
         self._b_holder = [[]]  # the kernel puts each step's req_ids list here
         c[T.TB_B_HOLDER] = id(self._b_holder)
+        self._new_holder = [None]  # what the kernel read of the step's new requests, until the call returns
+        c[T.TB_NEW_HOLDER] = id(self._new_holder)
+        c[T.TB_NEW_NAMES] = _NEW_NAMES_ADDR.ctypes.data
         # the same memory as Python ints: what the Python side reads and writes
         # every step (a numpy scalar per access costs several times more)
         cv = self._cv = memoryview(c)
@@ -787,7 +823,10 @@ class RequestTable:
             b.pre = _ids_or_none(pre, "preempted_req_ids", keep)
         if new_reqs is not None:
             t = type(new_reqs)
-            if not ((t is list or t is tuple) and not new_reqs):
+            if t is list or t is tuple:
+                if new_reqs:
+                    b.reqs = new_reqs  # read in place by the kernel
+            else:
                 new_reqs = _collection(new_reqs, "scheduled_new_reqs", keep)
                 if new_reqs:
                     b.new = [_read_new_request(r, k) for k, r in enumerate(new_reqs)]
@@ -919,8 +958,8 @@ class RequestTable:
 
     def _launch(self, b: _Step) -> None:
         """Run the step kernel on a bound step; handle the retry statuses
-        (grow key storage or staging, the generic path); raise on bad input.
-        The caller holds the call guard."""
+        (the new requests read in Python, grow key storage or staging, the
+        generic path); raise on bad input. The caller holds the call guard."""
         if b.new:
             self._describe_new(b)
         canonical = False
@@ -931,9 +970,15 @@ class RequestTable:
                 status = self._run_kernel(b.args())
                 if status == K.OK:
                     self._check_batch()
-                    if b.fin is not None or b.pre is not None or b.new:
+                    if b.fin is not None or b.pre is not None or b.new or b.reqs is not None:
                         self._index._maybe_shrink_arena()  # rows were freed
                     return
+                if b.reqs is not None:
+                    # anything but OK: on from what the kernel read (each
+                    # attribute is read once), as descriptors built here
+                    self._new_from_held(b, status)
+                    if status == K.E_NEW_SLOW or status == K.E_NEW_READ:
+                        continue
                 if status == K.E_KEY_TOO_LONG:
                     self._index._grow_arena(int(self._ctx[T.TB_ERR_ARG]))
                     continue
@@ -948,8 +993,38 @@ class RequestTable:
                 self._raise(status, b)
         finally:
             ixc[K.IX_ALLOW_BYTES] = 0
+            self._new_holder[0] = None
             if mirror is not None:
                 mirror.abort_step()
+
+    def _new_from_held(self, b: _Step, status: int) -> None:
+        """The step's new requests as ``_NewRequest`` descriptors, from what
+        the kernel read of them (the holder list) and, past where it
+        stopped, read here; raises what reading them raises."""
+        held = self._new_holder[0]
+        reqs = b.reqs
+        b.reqs = None
+        if status == K.E_CHANGED and int(self._ctx[T.TB_ERR_PHASE]) == K.PH_NEW:
+            raise InvalidStepError("scheduled_new_reqs changed while the step read it")
+        stop, failed_slot = len(reqs), -1
+        if status == K.E_NEW_READ:
+            stop, failed_slot = int(self._ctx[T.TB_ERR_POS]), int(self._ctx[T.TB_ERR_ARG])
+        elif held is None:
+            stop = 0  # stopped before reading anything (more new requests than rows)
+        S = T.H_STRIDE
+        new = []
+        for k, r in enumerate(reqs):
+            if k < stop:
+                vals = held[k * S + 1 : k * S + S]
+                sp = vals[T.H_SP - 1]
+                new.append(_new_request_of(held[k * S], *vals[:4], vals[4], None if sp is None else vals[6]))
+            elif k == stop and failed_slot >= 0:
+                r = held[k * S]
+                new.append(_read_new_request(r, k, held[k * S + 1 : k * S + failed_slot], held[k * S + failed_slot]))
+            else:
+                new.append(_read_new_request(r, k))
+        b.new = new
+        self._describe_new(b)
 
     def _raise(self, status: int, b: _Step) -> None:
         ctx = self._ctx
@@ -1111,7 +1186,7 @@ class RequestTable:
                         and (spec is None or type(spec) is dict)
                         and (total is None or type(total) is int)
                     )
-                args = (None, None, None, cid, 0, id(cnct), 0, cblk, None, nst, spec, total)  # the A_* slots
+                args = (None, None, None, cid, 0, id(cnct), 0, cblk, None, nst, spec, total, None)  # the A_* slots
                 if exact:
                     # (no mirror: the kernel alone, the cheapest call at N = 1)
                     status = (

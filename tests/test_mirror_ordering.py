@@ -258,7 +258,7 @@ def test_array_entry_and_same_step_duplicates_on_deferred_device():
     (``finish`` / ``add`` / ``update_arrays``, shipped by ``stage_arrays``)."""
     from test_table import SAME_STEP_TABLE, same_step_steps
 
-    from mtpstate._kernels import step as T
+    from mtpstate._kernels import slots as T
 
     ops = DeferredOps(torch, seed=5)
     t = RequestTable(**SAME_STEP_TABLE, device="cpu", mirror_options={"ops": ops})

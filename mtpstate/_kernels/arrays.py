@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from mtpstate._kernels import step as T
+from mtpstate._kernels import slots as T
 from mtpstate.errors import DuplicateRequestError, InvalidStepError, UnknownRequestError
 
 

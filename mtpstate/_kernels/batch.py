@@ -196,8 +196,8 @@ def _int64_heapsort(a, lo, n):
 # explicit signatures: called from three sites, some with literal zeros,
 # which would otherwise compile one specialization each
 _RESOLVE_SIG = (
-    "int64(int64[::1], UniTuple(int64, 10), int64, int64, int64, int64, int64, int64, int64, int64, int64, int64,"
-    " int64, int64, int64[::1], int64, uint64[::1], int64, int64, int64, int64[::1], int64, uint64[::1],"
+    "int64(int64[::1], UniTuple(int64, 10), int64, int64, int64, int64, int64, int64, int64, int64, int64,"
+    " int64[::1], int64, int64, int64[::1], int64, uint64[::1], int64, int64, int64, int64[::1], int64, uint64[::1],"
     " int64[::1], int64[::1], int64, int64, int64)"
 )
 
@@ -215,7 +215,7 @@ def resolve_batch(
     i_cid,
     nc,
     a_rows_c,
-    i_new,
+    new_desc,
     nn,
     a_rows_n,
     ix_slots,
@@ -275,7 +275,7 @@ def resolve_batch(
             e = _item(i_cid, i)
             erow = ld32(a_rows_c, i)
         elif i < nc + nn:
-            e, st = _int_of(_item(i_new, (i - nc) * NEW_STRIDE + N_KEY), tp)
+            e = new_desc[(i - nc) * NEW_STRIDE + N_KEY]
             erow = ld32(a_rows_n, i - nc)
         row = erow if (e != 0 and k == e) else -1
         if row < 0:

@@ -66,6 +66,8 @@ E_CHANGED = 20  # a dict's item count disagrees with its items (defensive: the G
 E_COUNT_VALUE = 21  # a scheduled-token count outside [0, 2**31)
 E_TOTAL = 22  # total_num_scheduled_tokens differs from the sum of the counts
 E_BATCH_SIZE = 23  # more scheduled requests than rows
+E_NEW_SLOW = 24  # a new request's attribute of a type not read in place: read the new requests in Python, retry
+E_NEW_READ = 25  # reading a new request's attribute raised (the exception is in the holder list)
 
 # phases, reported in the error context: which input the failing item is in
 PH_FINISH = 0  # finished_req_ids

@@ -555,6 +555,111 @@ def _capi_list_set_item(typingctx, lst, i, obj):
 
 
 list_new = _pick(_py_list_new, lambda: _capi_list_new)
+
+
+# ----------------------------------------------------------------------------
+# attribute reads: the only primitives that may run Python code (a property,
+# __getattr__). A kernel calls them before it reads anything else of the
+# step, holds every result it gets in a list it owns, and reads nothing
+# through a borrowed pointer across such a call.
+
+
+def _py_getattr_held(obj, name):
+    """(value, 0) or (0, the exception raised), each a new reference: the
+    caller owns it (it goes into a list with ``list_set_item``, which steals
+    it)."""
+    o = ctypes.cast(int(obj), ctypes.py_object).value
+    n = ctypes.cast(int(name), ctypes.py_object).value
+    try:
+        v = getattr(o, n)
+    except BaseException as e:  # noqa: BLE001 - handed to the caller, as the C path does
+        _api.Py_IncRef(id(e))
+        return 0, id(e)
+    _api.Py_IncRef(id(v))
+    return id(v), 0
+
+
+def _py_is_subtype(t, base):
+    a = ctypes.cast(int(t), ctypes.py_object).value
+    b = ctypes.cast(int(base), ctypes.py_object).value
+    return 1 if issubclass(a, b) else 0
+
+
+# Python >= 3.12 hands a pending exception over in one call; older versions
+# as (type, value, traceback), normalized so that the value is an instance
+RAISED_IN_ONE = sys.version_info >= (3, 12)
+
+
+@intrinsic
+def _capi_getattr(typingctx, obj, name):
+    sig = types.int64(types.int64, types.int64)
+
+    def codegen(context, builder, signature, args):
+        fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_I8P, [_I8P, _I8P]), "PyObject_GetAttr")
+        res = builder.call(fn, [builder.inttoptr(args[0], _I8P), builder.inttoptr(args[1], _I8P)])
+        return builder.ptrtoint(res, _I64)
+
+    return sig, codegen
+
+
+@intrinsic
+def _capi_take_raised(typingctx):
+    """The pending exception (a new reference; cleared), 0 if none."""
+    sig = types.int64()
+
+    def codegen(context, builder, signature, args):
+        if RAISED_IN_ONE:
+            fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_I8P, []), "PyErr_GetRaisedException")
+            return builder.ptrtoint(builder.call(fn, []), _I64)
+        pp = _I8P.as_pointer()
+        fetch = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ir.VoidType(), [pp] * 3), "PyErr_Fetch")
+        norm = cgutils.get_or_insert_function(
+            builder.module, ir.FunctionType(ir.VoidType(), [pp] * 3), "PyErr_NormalizeException"
+        )
+        xdec = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ir.VoidType(), [_I8P]), "Py_DecRef")
+        t = cgutils.alloca_once_value(builder, ir.Constant(_I8P, None))
+        v = cgutils.alloca_once_value(builder, ir.Constant(_I8P, None))
+        tb = cgutils.alloca_once_value(builder, ir.Constant(_I8P, None))
+        builder.call(fetch, [t, v, tb])
+        builder.call(norm, [t, v, tb])
+        # keep the value; drop the type and the traceback (Py_DecRef takes NULL)
+        builder.call(xdec, [builder.load(t)])
+        builder.call(xdec, [builder.load(tb)])
+        return builder.ptrtoint(builder.load(v), _I64)
+
+    return sig, codegen
+
+
+@intrinsic
+def _capi_is_subtype(typingctx, t, base):
+    sig = types.int64(types.int64, types.int64)
+
+    def codegen(context, builder, signature, args):
+        i32 = ir.IntType(32)
+        fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(i32, [_I8P, _I8P]), "PyType_IsSubtype")
+        res = builder.call(fn, [builder.inttoptr(args[0], _I8P), builder.inttoptr(args[1], _I8P)])
+        return builder.sext(res, _I64)
+
+    return sig, codegen
+
+
+def getattr_held(obj, name):
+    """(value, 0) or (0, exception) of ``getattr(obj, name)``, new references."""
+    return _py_getattr_held(obj, name)
+
+
+@overload(getattr_held)
+def _ov_getattr_held(obj, name):
+    def impl(obj, name):
+        v = _capi_getattr(obj, name)
+        if v != 0:
+            return v, 0
+        return 0, _capi_take_raised()
+
+    return impl
+
+
+is_subtype = _pick(_py_is_subtype, lambda: _capi_is_subtype)
 err_clear = _pick(lambda: _api.PyErr_Clear(), lambda: _capi_err_occurred_clear)
 list_set_item = _pick(_py_list_set_item, lambda: _capi_list_set_item)
 

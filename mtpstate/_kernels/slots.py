@@ -73,7 +73,11 @@ TB_FLAT_ENG = 46  # flat offset of the engine's [2, R] lengths (ENG_*), written 
 TB_TOK_EXT = 47  # 1: a new request's token ids are staged for an external target (not the flat tensor)
 TB_STG_TOK_N = 48  # staged token elements of the step (external target), at the front of the slot
 TB_STG_STRIDE = 49  # row stride of the per-request rows (state, engine lengths) on the device: R rounded up to 4
-TB_SIZE = 50
+# new requests read in place (A_NEW_REQS): the attribute names to read and
+# the list that holds what was read (see H_*)
+TB_NEW_NAMES = 50  # addr int64[H_STRIDE]: array.array (at H_REQ), then the name str of each attribute
+TB_NEW_HOLDER = 51  # id of a 1-item list the kernel puts the step's holder list into (table.py empties it)
+TB_SIZE = 52
 
 # rows of the engine's lengths region (TB_FLAT_ENG): seeded when a request is
 # added, then advanced by the engine's own device code, never by the host
@@ -81,8 +85,10 @@ ENG_TOTAL_LEN = 0  # prefill length (prompt + output so far)
 ENG_NCT = 1  # num_computed_tokens
 ENG_ROWS = 2
 
-# the descriptor of one new request, as NEW_STRIDE ints of a flat list built
-# by the Python side (which holds every object these addresses point to)
+# the descriptor of one new request: NEW_STRIDE int64 of the kernel's
+# descriptor array, filled from the request's attributes read in place or
+# from the flat list of ints table.py builds in the general path (the
+# holder list, or table.py, holds every object these addresses point to)
 N_KEY = 0  # address of the req_id str
 N_PLEN = 1  # prompt_len
 N_NCT = 2  # num_computed_tokens
@@ -92,6 +98,32 @@ N_TOK = 5  # its address
 N_TOK_N = 6  # its length (raw buffers)
 N_BLK = 7  # address of the block_ids tuple (one list per group)
 NEW_STRIDE = 8
+
+# a new request read in place: what the kernel read, H_STRIDE slots per
+# request of the holder list (None where not read); a slot whose read raised
+# holds the exception
+H_REQ = 0  # the NewRequestData itself
+H_REQ_ID = 1
+H_PROMPT = 2  # prompt_token_ids
+H_PREFILL = 3  # prefill_token_ids
+H_BLOCKS = 4  # block_ids
+H_NCT = 5  # num_computed_tokens
+H_SP = 6  # sampling_params
+H_MAX_TOKENS = 7  # sampling_params.max_tokens
+H_STRIDE = 8
+
+# the general step's counters, one int64 record the phases share (step.py)
+SC_STAMP = 0  # this step's stamp (marks in the scratch rows)
+SC_NN = 1  # new requests
+SC_NFREED = 2  # rows freed (finished, preempted, re-sent ids)
+SC_NRES = 3  # resumed ids
+SC_NC = 4  # cached requests
+SC_HITS = 5  # cached ids found by identity prediction
+SC_NMISS = 6  # cached ids that were not
+SC_NSTAGE = 7  # elements the step will stage (capacity check)
+SC_NTOK = 8  # token elements for an external target, staged first
+SC_NEED_WORDS = 9  # key arena words the new ids need
+SC_SIZE = 10
 
 # scratch rows
 S_ROWS = 0  # cached position -> row
@@ -141,7 +173,7 @@ BO_ROWS = 2
 # whatever the step carries. None = absent.
 A_FIN = 0  # finished_req_ids: list/tuple of ids
 A_PRE = 1  # preempted_req_ids
-A_NEW = 2  # flat list of new-request descriptors (N_*)
+A_NEW = 2  # flat list of new-request descriptors (N_*), built in Python (the general path)
 A_CID = 3  # scheduled_cached_reqs.req_ids
 A_CNCT_KIND = 4  # num_computed_tokens as an int vector: V_* kind (int)
 A_CNCT = 5  # its address (int)
@@ -151,7 +183,8 @@ A_CRES = 8  # resumed_req_ids
 A_NST = 9  # num_scheduled_tokens: an exact dict (batch only)
 A_SPEC = 10  # scheduled_spec_decode_tokens: an exact dict, or None
 A_TOTAL = 11  # total_num_scheduled_tokens: an int, or None (not checked)
-A_SIZE = 12
+A_NEW_REQS = 12  # scheduled_new_reqs as an exact list/tuple the kernel reads in place (A_NEW is then None)
+A_SIZE = 13
 
 
 @jit(signature="int64(int64[::1], int64, int64, int64, int64, int64)")

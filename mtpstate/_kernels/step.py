@@ -37,22 +37,14 @@ from mtpstate._kernels.index import (
     E_INT_RANGE,
     E_KEY_TOO_LONG,
     E_LENGTHS,
-    E_MAX_TOKENS,
     E_NCT_RANGE,
-    E_NEW_NCT_RANGE,
     E_NOT_CANONICAL,
     E_STAGE_FULL,
-    E_TOKEN_VALUE,
-    E_TOO_LONG,
     E_UNKNOWN,
     FLD_BLOCKS,
-    FLD_MAX_TOKENS,
     FLD_NCT,
     FLD_NONE,
-    FLD_PROMPT_LEN,
     FLD_REQ_ID,
-    FLD_TOKENS,
-    INT32_MAX,
     IX_ARRAY_OK,
     IX_DICT_OK,
     IX_FREE_HINT,
@@ -65,7 +57,6 @@ from mtpstate._kernels.index import (
     PH_NEW,
     PH_PREEMPT,
     PH_RESUMED,
-    V_I32,
     _arena_short,
     _hash_key,
     _int_of,
@@ -102,6 +93,12 @@ from mtpstate._kernels.native import (
     view_i32,
     view_i64,
 )
+from mtpstate._kernels.new_requests import (
+    check_new_request,
+    descriptors_from_list,
+    read_new_requests,
+    write_new_request,
+)
 from mtpstate._kernels.slots import (
     A_CBLK,
     A_CID,
@@ -111,27 +108,17 @@ from mtpstate._kernels.slots import (
     A_CRES,
     A_FIN,
     A_NEW,
+    A_NEW_REQS,
     A_NST,
     A_PRE,
     A_SPEC,
     A_TOTAL,
-    ENG_NCT,
     ENG_ROWS,
-    ENG_TOTAL_LEN,
-    F_MAXSEQ,
     F_NB,
     F_NCPT,
     F_NCT,
     F_PREFILL,
-    F_PROMPT,
-    N_BLK,
     N_KEY,
-    N_MAXT,
-    N_NCT,
-    N_PLEN,
-    N_TOK,
-    N_TOK_KIND,
-    N_TOK_N,
     NEW_STRIDE,
     S_FLAGS,
     S_FREE,
@@ -146,6 +133,16 @@ from mtpstate._kernels.slots import (
     S_REDIRECT,
     S_ROWS,
     S_SEEN,
+    SC_HITS,
+    SC_NC,
+    SC_NEED_WORDS,
+    SC_NFREED,
+    SC_NMISS,
+    SC_NN,
+    SC_NSTAGE,
+    SC_NTOK,
+    SC_SIZE,
+    SC_STAMP,
     TB_B_N,
     TB_BT_ADDR,
     TB_BT_W,
@@ -183,53 +180,7 @@ from mtpstate._kernels.slots import (
     TB_TOK_EXT,
     _err,
 )
-
-
-@jit
-def _check_int31_list(seq, tp, value_error):
-    """(count, status) of a list of ints each in [0, 2**31) (token ids, block
-    ids); ``value_error`` is the status for a value out of range."""
-    items, n, ok = _seq(seq, tp)
-    if not ok:
-        return 0, E_NOT_CANONICAL
-    for j in range(n):
-        v, st = _int_of(_item(items, j), tp)
-        if st == E_INT_RANGE:
-            return 0, value_error
-        if st != OK:
-            return 0, st
-        if v < 0 or v > INT32_MAX:
-            return 0, value_error
-    return n, OK
-
-
-@jit(signature="int64(int64, int64, int64, int64, boolean, int64, int64, int64)")
-def _put(a_state, pos, dpos, v, staging, a_stg_pos, a_stg_val, ns):
-    """state[pos] = v; stage it (at the device position ``dpos``) only if
-    the value changed (bytes shipped grow with what changed)."""
-    old = ld32(a_state, pos)
-    st32(a_state, pos, v)
-    if staging and old != v:
-        st64(a_stg_pos, ns, dpos)
-        st32(a_stg_val, ns, v)
-        ns += 1
-    return ns
-
-
-@jit(signature="int64(int64, UniTuple(int64, 10), int64, int64, int64, int64, boolean, int64, int64, int64, int64)")
-def _write_group(seq, tp, a_bt, w, row, start, staging, a_stg_pos, a_stg_val, ns, flat):
-    """Write one group's block ids into ``bt[row, start:]`` (``a_bt``: the
-    table's address); returns the new number of staged elements."""
-    items, n, ok = _seq(seq, tp)
-    base = np.int64(row) * w + start
-    for j in range(n):
-        v, st = _int_of(_item(items, j), tp)
-        st32(a_bt, base + j, v)
-        if staging:
-            st64(a_stg_pos, ns, flat + base + j)
-            st32(a_stg_val, ns, v)
-            ns += 1
-    return ns
+from mtpstate._kernels.writes import _check_int31_list, _put, _write_group
 
 
 @jit
@@ -465,6 +416,7 @@ def tb_apply(ixc, tbc, args):
     fin = _arg(items, A_FIN, none)
     pre = _arg(items, A_PRE, none)
     new = _arg(items, A_NEW, none)
+    new_reqs = _arg(items, A_NEW_REQS, none)
     cid = _arg(items, A_CID, none)
     cnct_kind, st = _int_of(_item(items, A_CNCT_KIND), tp)
     cnct, st = _int_of(_item(items, A_CNCT), tp)
@@ -476,9 +428,9 @@ def tb_apply(ixc, tbc, args):
         nst = 0
     spec = _arg(items, A_SPEC, none)
     total = _arg(items, A_TOTAL, none)
-    if fin == 0 and pre == 0 and new == 0 and cres == 0:
+    if fin == 0 and pre == 0 and new == 0 and new_reqs == 0 and cres == 0:
         return _update_only(ixc, tbc, cid, cnct_kind, cnct, cnct_n, cblk, nst, spec, total)
-    return _general(ixc, tbc, fin, pre, new, cid, cnct_kind, cnct, cnct_n, cblk, cres, nst, spec, total)
+    return _general(ixc, tbc, fin, pre, new, new_reqs, cid, cnct_kind, cnct, cnct_n, cblk, cres, nst, spec, total)
 
 
 @jit
@@ -648,7 +600,7 @@ def _update_only(ixc, tbc, cid, cnct_kind, cnct, cnct_n, cblk, nst, spec, total)
             i_cid,
             nc,
             a_res,
-            0,
+            empty_i64,
             0,
             a_res,
             slots,
@@ -731,325 +683,459 @@ def _free_ids(
     return nfreed, OK
 
 
-@jit
-def _desc(items, i, tp):
-    """An address stored in the new-request descriptor list (an exact int
-    table.py made with ``id()``)."""
-    v, st = _int_of(_item(items, i), tp)
-    return v
+# ---------------------------------------------------------------------------
+# the general step, phase by phase: the new requests' descriptors (read
+# first: reading them may run Python code), then pass 1 (read and validate
+# everything against the state as the step would leave it, write nothing:
+# freed rows, new requests and their rows, resumed ids, cached requests, the
+# batch, the key arena), then pass 2 (apply: free, add, update). The phases
+# share the step's counters through one record, ``sc`` (``SC_*`` slots).
 
 
 @jit
-def _general(ixc, tbc, fin, pre, new, cid, cnct_kind, cnct, cnct_n, cblk, cres, nst, spec, total):
-    ix = view_i64(ixc, IX_SIZE)
-    tb = view_i64(tbc, TB_SIZE)
-    tp = _pytypes(ix)
+def _new_descriptors(tb, tp, new_desc, new_reqs, array_ok, R):
+    """(descriptors [nn * NEW_STRIDE], nn, status) of the step's new
+    requests: read in place from the scheduler's objects, or converted from
+    the list table.py built."""
+    if new_reqs == 0 and new_desc == 0:
+        return np.empty(0, np.int64), 0, OK
+    items, n, ok = _seq(new_reqs if new_reqs != 0 else new_desc, tp)
+    nn = n if new_reqs != 0 else n // NEW_STRIDE
+    if nn > R:
+        return np.empty(0, np.int64), 0, _err(tb, E_CAPACITY, -1, nn, PH_NEW, FLD_NONE)
+    nd = np.empty(nn * NEW_STRIDE, np.int64)
+    if new_reqs != 0:
+        return nd, nn, read_new_requests(tb, tp, new_reqs, nd, array_ok)
+    return nd, nn, descriptors_from_list(tb, tp, new_desc, nd, nn)
+
+
+@jit
+def _write_ctx(tb, ng):
+    """What pass 2 writes to, one tuple: state, shape, block tables, token
+    ids, staging (see ``write_new_request``)."""
+    return (
+        tb[TB_STATE],
+        tb[TB_R],
+        tb[TB_STG_STRIDE],  # the device's row stride for staged positions
+        tb[TB_L],
+        ng,
+        view_i64(tb[TB_BT_ADDR], ng),
+        view_i64(tb[TB_BT_W], ng),
+        view_i64(tb[TB_FLAT_BT], ng),
+        tb[TB_TOK] != 0,  # False: no host copy (the mirror's token target is the only one)
+        tb[TB_TOK],
+        tb[TB_FLAT_TOK],
+        tb[TB_TOK_EXT] != 0,
+        tb[TB_FLAT_ENG],
+        tb[TB_STG_FIELDS],
+        tb[TB_STG_ON] != 0,
+        tb[TB_STG_POS],
+        tb[TB_STG_VAL],
+    )
+
+
+@jit
+def _check_freed(ix, tb, tp, sc, fin, pre):
+    """Pass 1 of finish: finished_req_ids | preempted_req_ids; unknown ids
+    are ignored."""
     slots, row_hash, keys, key_len = _ix_arrays(ix)
     mask, kw, seed, hmask, allow = _ix_params(ix)
-    max_key = ix[IX_MAX_KEY]
-    array_ok = ix[IX_ARRAY_OK]
-    R, ng, L = tb[TB_R], tb[TB_NG], tb[TB_L]
-    state = view_i32(tb[TB_STATE], (F_NB + ng) * R)
-    bt_addr = view_i64(tb[TB_BT_ADDR], ng)
-    bt_w = view_i64(tb[TB_BT_W], ng)
-    tok_host = tb[TB_TOK] != 0  # 0: no host copy (the mirror's token target is the only one)
-    tok = view_i32(tb[TB_TOK], R * L if tok_host else 0)
-    cur = tb[TB_PREV_CUR]
-    prev_n = tb[TB_PREV_N]
-    scr = view_i32(tb[TB_SCR], (S_NB0 + ng) * R)
-    res = view_i32(tb[TB_RES], 3 * R)
-    staging = tb[TB_STG_ON] != 0
-    stg_cap = tb[TB_STG_CAP]
-    stg_pos = view_i64(tb[TB_STG_POS], stg_cap)
-    stg_val = view_i32(tb[TB_STG_VAL], stg_cap)
-    flat_bt = view_i64(tb[TB_FLAT_BT], ng)
-    flat_tok = tb[TB_FLAT_TOK]
-    tok_ext = tb[TB_TOK_EXT] != 0
-    eng = tb[TB_FLAT_ENG]
-    fields = tb[TB_STG_FIELDS]
-    SR = tb[TB_STG_STRIDE]  # the device's row stride for staged positions
-    stg_nct = staging and (fields >> F_NCT) & 1 != 0
-    stg_ncpt = staging and (fields >> F_NCPT) & 1 != 0
-    a_state = tb[TB_STATE]
-    a_scr = tb[TB_SCR]
-    a_prev_obj, a_prev_row, a_rpp, a_prev_obj_next, a_prev_row_next, a_rpp_next = _prediction_buffers(tb, R, cur)
-    a_stg_pos = tb[TB_STG_POS]
-    a_stg_val = tb[TB_STG_VAL]
-    stamp = tb[TB_STAMP] + 1
-    tb[TB_STAMP] = stamp
-    O_ROWS = S_ROWS * R
-    O_NCT = S_NCT * R
-    O_FREE = S_FREE * R
-    O_SEEN = S_SEEN * R
-    O_RED = S_REDIRECT * R
-    O_NEW = S_NEW * R
-    O_NEWPOS = S_NEWPOS * R
-    O_FREED = S_FREED * R
-    O_NEWROW = S_NEWROW * R
-    O_PRIOR = S_PRIOR * R
-    O_FLAGS = S_FLAGS * R
-    O_NB = S_NB0 * R
-    need_words = 0
-    nstage = 0
-    ntok = 0  # token elements for the external target: staged first, [0, ntok)
-
-    # ---------------- pass 1: read and validate, write nothing -------------
-    # finish: finished_req_ids | preempted_req_ids; unknown ids are ignored
+    R = tb[TB_R]
+    scr = view_i32(tb[TB_SCR], (S_NB0 + tb[TB_NG]) * R)
+    stamp = sc[SC_STAMP]
     nfreed = 0
+    args = (tb, tp, slots, mask, keys, kw, seed, hmask, allow, scr, S_FREE * R, S_REDIRECT * R, S_FREED * R, stamp)
     if fin != 0:
-        nfreed, st = _free_ids(
-            fin, PH_FINISH, tb, tp, slots, mask, keys, kw, seed, hmask, allow, scr, O_FREE, O_RED, O_FREED, stamp, 0
-        )
+        nfreed, st = _free_ids(fin, PH_FINISH, *args, nfreed)
         if st != OK:
             return st
     if pre != 0:
-        nfreed, st = _free_ids(
-            pre,
-            PH_PREEMPT,
-            tb,
-            tp,
-            slots,
-            mask,
-            keys,
-            kw,
-            seed,
-            hmask,
-            allow,
-            scr,
-            O_FREE,
-            O_RED,
-            O_FREED,
-            stamp,
-            nfreed,
-        )
+        nfreed, st = _free_ids(pre, PH_PREEMPT, *args, nfreed)
         if st != OK:
             return st
+    sc[SC_NFREED] = nfreed
+    return OK
 
-    # new requests: a live id is removed first (re-sent request)
-    nn = 0
-    new_ptr = np.empty(0, np.int64)
-    new_len = np.empty(0, np.int64)
-    new_hash = np.empty(0, np.uint64)
-    new_tab = np.empty(0, np.int64)
-    ntab_mask = 0
-    i_new = 0
-    if new != 0:
-        i_new, nd, ok = _seq(new, tp)
-        if not ok or nd % NEW_STRIDE != 0:  # pragma: no cover - built by table.py
-            return _err(tb, E_NOT_CANONICAL, -1, 0, PH_NEW, FLD_NONE)
-        nn = nd // NEW_STRIDE
-        if nn > R:
-            return _err(tb, E_CAPACITY, -1, nn, PH_NEW, FLD_NONE)
-        new_ptr = np.empty(nn, np.int64)
-        new_len = np.empty(nn, np.int64)
-        new_hash = np.empty(nn, np.uint64)
-        new_tab, ntab_mask = _small_table(nn)
-        for k in range(nn):
-            d = k * NEW_STRIDE
-            ptr, klen, st = _key_of(_desc(i_new, d + N_KEY, tp), allow, tp)
-            if st != OK:
-                return _err(tb, st, k, 0, PH_NEW, FLD_REQ_ID)
-            if klen > max_key:
-                return _err(tb, E_ID_TOO_LONG, k, klen, PH_NEW, FLD_REQ_ID)
-            h = _hash_key(ptr, klen, seed, hmask)
-            j = _table_find(new_tab, ntab_mask, new_hash, new_ptr, new_len, h, ptr, klen)
-            if j >= 0:
-                return _err(tb, E_DUPLICATE, k, j, PH_NEW, FLD_REQ_ID)
-            _table_add(new_tab, ntab_mask, h, k)
-            new_ptr[k] = ptr
-            new_len[k] = klen
-            new_hash[k] = h
-            need_words += key_arena_words(klen)
-            prior = _probe(slots, mask, keys, kw, h, ptr, klen)
-            scr[O_PRIOR + k] = prior
-            if prior >= 0 and scr[O_FREE + prior] != stamp:
-                scr[O_FREE + prior] = stamp
-                scr[O_RED + prior] = -1
-                scr[O_FREED + nfreed] = prior
-                nfreed += 1
-            # payload (ints built by table.py from the request's attributes)
-            plen, st1 = _int_of(_item(i_new, d + N_PLEN), tp)
-            nct, st2 = _int_of(_item(i_new, d + N_NCT), tp)
-            mt, st3 = _int_of(_item(i_new, d + N_MAXT), tp)
-            tkind, st4 = _int_of(_item(i_new, d + N_TOK_KIND), tp)
-            taddr, st5 = _int_of(_item(i_new, d + N_TOK), tp)
-            tn, st6 = _int_of(_item(i_new, d + N_TOK_N), tp)
-            if st1 != OK:
-                return _err(tb, E_TOO_LONG, k, -1, PH_NEW, FLD_PROMPT_LEN)
-            if st2 != OK:
-                return _err(tb, E_NEW_NCT_RANGE, k, -1, PH_NEW, FLD_NCT)
-            if st3 != OK:
-                return _err(tb, E_MAX_TOKENS, k, -1, PH_NEW, FLD_MAX_TOKENS)
-            if st4 != OK or st5 != OK or st6 != OK:  # pragma: no cover - built by table.py
-                return _err(tb, E_NOT_CANONICAL, k, 0, PH_NEW, FLD_TOKENS)
-            vk, vb, npf, st = _vec(tkind, taddr, tn, tp, array_ok)
-            if st != OK:
-                return _err(tb, st, k, 0, PH_NEW, FLD_TOKENS)
-            if plen < 0 or plen > L or npf > L:
-                return _err(tb, E_TOO_LONG, k, max(plen, npf), PH_NEW, FLD_TOKENS if npf > L else FLD_PROMPT_LEN)
-            for t in range(npf):
-                v, st = _vget(vk, vb, t, tp)
-                if st == OK and (v < 0 or v > INT32_MAX):
-                    st = E_TOKEN_VALUE
-                if st != OK:
-                    return _err(tb, E_TOKEN_VALUE if st == E_INT_RANGE else st, k, t, PH_NEW, FLD_TOKENS)
-            if nct < 0 or nct > npf:
-                return _err(tb, E_NEW_NCT_RANGE, k, nct, PH_NEW, FLD_NCT)
-            if mt < 0 or plen + mt > INT32_MAX:
-                return _err(tb, E_MAX_TOKENS, k, mt, PH_NEW, FLD_MAX_TOKENS)
-            b_items, b_n, ok = _seq(_desc(i_new, d + N_BLK, tp), tp)
-            if not ok:
-                return _err(tb, E_NOT_CANONICAL, k, 0, PH_NEW, FLD_BLOCKS)
-            if b_n != ng:
-                return _err(tb, E_GROUPS, k, b_n, PH_NEW, FLD_BLOCKS)
-            nstage += F_NB + ng + ENG_ROWS
-            if flat_tok >= 0:
-                nstage += npf
-            elif tok_ext:
-                ntok += npf
-                nstage += npf
-            for g in range(ng):
-                c, st = _check_int31_list(_item(b_items, g), tp, E_BLOCK_VALUE)
-                if st != OK:
-                    return _err(tb, st, k, g, PH_NEW, FLD_BLOCKS)
-                if c > bt_w[g]:
-                    return _err(tb, E_BLOCK_OVERFLOW, k, g, PH_NEW, FLD_BLOCKS)
-                scr[O_NB + g * R + k] = c
-                nstage += c
-        # rows: the lowest free rows (freed by this step included), in order
-        cursor = ix[IX_FREE_HINT]
-        for f in range(nfreed):
-            cursor = min(cursor, scr[O_FREED + f])
-        for k in range(nn):
-            while cursor < R and not (key_len[cursor] < 0 or scr[O_FREE + cursor] == stamp):
-                cursor += 1
-            if cursor >= R:
-                return _err(tb, E_CAPACITY, k, nn, PH_NEW, FLD_NONE)
-            scr[O_NEWROW + k] = cursor
-            scr[O_NEW + cursor] = stamp
-            scr[O_NEWPOS + cursor] = k
+
+@jit
+def _new_keys(nn):
+    """The step's new ids as a small hash table: (key addresses, lengths,
+    hashes, table, table mask)."""
+    tab, tmask = _small_table(nn)
+    return np.empty(nn, np.int64), np.empty(nn, np.int64), np.empty(nn, np.uint64), tab, tmask
+
+
+@jit
+def _check_new(ix, tb, tp, sc, nd, nk, array_ok):
+    """Pass 1 of add: each new id (well formed, not twice in the step; a live
+    one is freed first: a re-sent request), each request's payload, then the
+    rows: the lowest free rows (freed by this step included), in order."""
+    nn = sc[SC_NN]
+    if nn == 0:
+        return OK
+    new_ptr, new_len, new_hash, new_tab, ntab_mask = nk
+    slots, row_hash, keys, key_len = _ix_arrays(ix)
+    mask, kw, seed, hmask, allow = _ix_params(ix)
+    max_key = ix[IX_MAX_KEY]
+    R, ng, L = tb[TB_R], tb[TB_NG], tb[TB_L]
+    bt_w = view_i64(tb[TB_BT_W], ng)
+    scr = view_i32(tb[TB_SCR], (S_NB0 + ng) * R)
+    stamp = sc[SC_STAMP]
+    O_FREE, O_RED, O_FREED, O_PRIOR, O_NB = S_FREE * R, S_REDIRECT * R, S_FREED * R, S_PRIOR * R, S_NB0 * R
+    flat_tok = tb[TB_FLAT_TOK]
+    tok_ext = tb[TB_TOK_EXT] != 0
+    nfreed = sc[SC_NFREED]
+    nstage = 0
+    ntok = 0
+    need_words = 0
+    nb_counts = np.empty(ng, np.int64)
+    for k in range(nn):
+        ptr, klen, st = _key_of(nd[k * NEW_STRIDE + N_KEY], allow, tp)
+        if st != OK:
+            return _err(tb, st, k, 0, PH_NEW, FLD_REQ_ID)
+        if klen > max_key:
+            return _err(tb, E_ID_TOO_LONG, k, klen, PH_NEW, FLD_REQ_ID)
+        h = _hash_key(ptr, klen, seed, hmask)
+        j = _table_find(new_tab, ntab_mask, new_hash, new_ptr, new_len, h, ptr, klen)
+        if j >= 0:
+            return _err(tb, E_DUPLICATE, k, j, PH_NEW, FLD_REQ_ID)
+        _table_add(new_tab, ntab_mask, h, k)
+        new_ptr[k] = ptr
+        new_len[k] = klen
+        new_hash[k] = h
+        need_words += key_arena_words(klen)
+        prior = _probe(slots, mask, keys, kw, h, ptr, klen)
+        scr[O_PRIOR + k] = prior
+        if prior >= 0 and scr[O_FREE + prior] != stamp:
+            scr[O_FREE + prior] = stamp
+            scr[O_RED + prior] = -1
+            scr[O_FREED + nfreed] = prior
+            nfreed += 1
+        st, npf = check_new_request(tb, tp, nd, k, L, ng, bt_w, array_ok, nb_counts)
+        if st != OK:
+            return st
+        nstage += F_NB + ng + ENG_ROWS
+        if flat_tok >= 0:
+            nstage += npf
+        elif tok_ext:
+            ntok += npf
+            nstage += npf
+        for g in range(ng):
+            scr[O_NB + g * R + k] = nb_counts[g]
+            nstage += nb_counts[g]
+    sc[SC_NFREED] = nfreed
+    sc[SC_NSTAGE] += nstage
+    sc[SC_NTOK] = ntok
+    sc[SC_NEED_WORDS] = need_words
+    return _assign_new_rows(ix, tb, sc, scr, key_len)
+
+
+@jit
+def _assign_new_rows(ix, tb, sc, scr, key_len):
+    """Each new request's row: the lowest rows free after this step's
+    frees, in order; a freed re-sent id redirects to its new row."""
+    R, nn, nfreed, stamp = tb[TB_R], sc[SC_NN], sc[SC_NFREED], sc[SC_STAMP]
+    O_FREE, O_FREED, O_NEWROW = S_FREE * R, S_FREED * R, S_NEWROW * R
+    cursor = ix[IX_FREE_HINT]
+    for f in range(nfreed):
+        cursor = min(cursor, scr[O_FREED + f])
+    for k in range(nn):
+        while cursor < R and not (key_len[cursor] < 0 or scr[O_FREE + cursor] == stamp):
             cursor += 1
-        for k in range(nn):
-            prior = scr[O_PRIOR + k]
-            if prior >= 0:
-                scr[O_RED + prior] = scr[O_NEWROW + k]
+        if cursor >= R:
+            return _err(tb, E_CAPACITY, k, nn, PH_NEW, FLD_NONE)
+        scr[O_NEWROW + k] = cursor
+        scr[S_NEW * R + cursor] = stamp
+        scr[S_NEWPOS * R + cursor] = k
+        cursor += 1
+    for k in range(nn):
+        prior = scr[S_PRIOR * R + k]
+        if prior >= 0:
+            scr[S_REDIRECT * R + prior] = scr[O_NEWROW + k]
+    return OK
 
-    # resumed ids (older schedulers): their new blocks replace the row's
+
+@jit
+def _resumed_keys(ix, tb, tp, cres):
+    """(resumed ids as a small hash table like ``_new_keys``, count, status)
+    of resumed_req_ids (older schedulers): their new blocks replace the
+    row's."""
+    mask, kw, seed, hmask, allow = _ix_params(ix)
     nres = 0
-    res_ptr = np.empty(0, np.int64)
-    res_len = np.empty(0, np.int64)
-    res_hash = np.empty(0, np.uint64)
-    res_tab = np.empty(0, np.int64)
-    rtab_mask = 0
+    i_res = 0
     if cres != 0:
         i_res, nres, ok = _seq(cres, tp)
         if not ok:
-            return _err(tb, E_NOT_CANONICAL, -1, 0, PH_RESUMED, FLD_REQ_ID)
-        res_ptr = np.empty(nres, np.int64)
-        res_len = np.empty(nres, np.int64)
-        res_hash = np.empty(nres, np.uint64)
-        res_tab, rtab_mask = _small_table(nres)
-        for k in range(nres):
-            ptr, klen, st = _key_of(_item(i_res, k), allow, tp)
-            if st != OK:
-                return _err(tb, st, k, 0, PH_RESUMED, FLD_REQ_ID)
-            h = _hash_key(ptr, klen, seed, hmask)
-            res_ptr[k] = ptr
-            res_len[k] = klen
-            res_hash[k] = h
-            if _table_find(res_tab, rtab_mask, res_hash, res_ptr, res_len, h, ptr, klen) < 0:
-                _table_add(res_tab, rtab_mask, h, k)
+            return _new_keys(0), 0, _err(tb, E_NOT_CANONICAL, -1, 0, PH_RESUMED, FLD_REQ_ID)
+    rk = _new_keys(nres)
+    res_ptr, res_len, res_hash, res_tab, rtab_mask = rk
+    for k in range(nres):
+        ptr, klen, st = _key_of(_item(i_res, k), allow, tp)
+        if st != OK:
+            return rk, 0, _err(tb, st, k, 0, PH_RESUMED, FLD_REQ_ID)
+        h = _hash_key(ptr, klen, seed, hmask)
+        res_ptr[k] = ptr
+        res_len[k] = klen
+        res_hash[k] = h
+        if _table_find(res_tab, rtab_mask, res_hash, res_ptr, res_len, h, ptr, klen) < 0:
+            _table_add(res_tab, rtab_mask, h, k)
+    return rk, nres, OK
 
-    # cached requests: predicted from the previous update's order, verified
-    nc = 0
-    i_cid = 0
-    i_cblk = 0
+
+@jit
+def _check_cached(ix, tb, tp, sc, cid, cnct_kind, cnct, cnct_n, cblk, nk, rk, nres):
+    """Pass 1 of update: each cached request's row (predicted from the
+    previous update's order, verified; a row freed or added by this step is
+    followed), its num_computed_tokens and new block ids. Returns (req_ids
+    items, new_block_ids items, status); rows and counts go to the scratch
+    rows for pass 2."""
+    if cid == 0:
+        return 0, 0, OK
+    slots, row_hash, keys, key_len = _ix_arrays(ix)
+    mask, kw, seed, hmask, allow = _ix_params(ix)
+    R, ng, L = tb[TB_R], tb[TB_NG], tb[TB_L]
+    bt_addr = view_i64(tb[TB_BT_ADDR], ng)
+    bt_w = view_i64(tb[TB_BT_W], ng)
+    a_state = tb[TB_STATE]
+    a_scr = tb[TB_SCR]
+    stamp, nn, nfreed = sc[SC_STAMP], sc[SC_NN], sc[SC_NFREED]
+    new_ptr, new_len, new_hash, new_tab, ntab_mask = nk
+    res_ptr, res_len, res_hash, res_tab, rtab_mask = rk
+    a_prev_obj, a_prev_row, a_rpp, a_prev_obj_next, a_prev_row_next, a_rpp_next = _prediction_buffers(
+        tb, R, tb[TB_PREV_CUR]
+    )
+    prev_n = tb[TB_PREV_N]
+    O_FREE, O_RED, O_NEW, O_SEEN = S_FREE * R, S_REDIRECT * R, S_NEW * R, S_SEEN * R
+    i_cid, nc, vk, vb, i_cblk, st = _open_cached(tb, tp, cid, cnct_kind, cnct, cnct_n, cblk, ix[IX_ARRAY_OK], R)
+    if st != OK:
+        return 0, 0, st
+    none = tp[5]
+    j = 0
     hits = 0
     nmiss = 0
-    if cid != 0:
-        i_cid, nc, vk, vb, i_cblk, st = _open_cached(tb, tp, cid, cnct_kind, cnct, cnct_n, cblk, array_ok, R)
+    nstage = 0
+    for i in range(nc):
+        obj = _item(i_cid, i)
+        row = ld32(a_prev_row, j) if j < prev_n and ld64(a_prev_obj, j) == obj else -1
+        st = OK
+        h = np.uint64(0)
+        ptr = 0
+        klen = 0
+        if row >= 0:
+            hits += 1
+            j += 1
+        else:
+            st32(a_scr, S_MISS * R + nmiss, i)
+            nmiss += 1
+            row, j, st, h, ptr, klen = _predict_miss(
+                obj, j, prev_n, a_prev_row, a_rpp, slots, mask, keys, kw, seed, hmask, allow, tp
+            )
         if st != OK:
-            return st
-        none = tp[5]
-        j = 0
-        for i in range(nc):
-            obj = _item(i_cid, i)
-            row = ld32(a_prev_row, j) if j < prev_n and ld64(a_prev_obj, j) == obj else -1
-            st = OK
-            h = np.uint64(0)
-            ptr = 0
-            klen = 0
-            if row >= 0:
-                hits += 1
-                j += 1
-            else:
-                st32(a_scr, S_MISS * R + nmiss, i)
-                nmiss += 1
-                row, j, st, h, ptr, klen = _predict_miss(
-                    obj, j, prev_n, a_prev_row, a_rpp, slots, mask, keys, kw, seed, hmask, allow, tp
-                )
-            if st != OK:
-                return _err(tb, st, i, 0, PH_CACHED, FLD_REQ_ID)
-            via_new = False
-            if row < 0 and nn > 0:
-                # not live before this step: maybe added by it
-                k = _table_find(new_tab, ntab_mask, new_hash, new_ptr, new_len, h, ptr, klen)
-                if k >= 0:
-                    row = scr[O_NEWROW + k]
-                    via_new = True
+            return 0, 0, _err(tb, st, i, 0, PH_CACHED, FLD_REQ_ID)
+        via_new = False
+        if row < 0 and nn > 0:
+            # not live before this step: maybe added by it
+            k = _table_find(new_tab, ntab_mask, new_hash, new_ptr, new_len, h, ptr, klen)
+            if k >= 0:
+                row = ld32(a_scr, S_NEWROW * R + k)
+                via_new = True
+        if row < 0:
+            return 0, 0, _err(tb, E_UNKNOWN, i, 0, PH_CACHED, FLD_REQ_ID)
+        if nfreed > 0 and not via_new and ld32(a_scr, O_FREE + row) == stamp:
+            row = ld32(a_scr, O_RED + row)
             if row < 0:
-                return _err(tb, E_UNKNOWN, i, 0, PH_CACHED, FLD_REQ_ID)
-            if nfreed > 0 and not via_new and ld32(a_scr, O_FREE + row) == stamp:
-                row = ld32(a_scr, O_RED + row)
-                if row < 0:
-                    return _err(tb, E_UNKNOWN, i, 1, PH_CACHED, FLD_REQ_ID)
-            if nn > 0 and ld32(a_scr, O_NEW + row) == stamp:
-                tb[TB_STG_DUPS] = 1
-            if ld32(a_scr, O_SEEN + row) == stamp:
-                return _err(tb, E_DUPLICATE, i, 0, PH_CACHED, FLD_REQ_ID)
-            st32(a_scr, O_SEEN + row, stamp)
-            v, st = _vget(vk, vb, i, tp)
+                return 0, 0, _err(tb, E_UNKNOWN, i, 1, PH_CACHED, FLD_REQ_ID)
+        if nn > 0 and ld32(a_scr, O_NEW + row) == stamp:
+            tb[TB_STG_DUPS] = 1
+        if ld32(a_scr, O_SEEN + row) == stamp:
+            return 0, 0, _err(tb, E_DUPLICATE, i, 0, PH_CACHED, FLD_REQ_ID)
+        st32(a_scr, O_SEEN + row, stamp)
+        v, st = _vget(vk, vb, i, tp)
+        if st != OK:
+            return 0, 0, _err(tb, E_NCT_RANGE if st == E_INT_RANGE else st, i, 0, PH_CACHED, FLD_NCT)
+        if v < 0 or v > L:
+            return 0, 0, _err(tb, E_NCT_RANGE, i, v, PH_CACHED, FLD_NCT)
+        st32(a_scr, S_ROWS * R + i, row)
+        st32(a_scr, S_NCT * R + i, v)
+        nstage += 2
+        b = _item(i_cblk, i)
+        st32(a_scr, S_FLAGS * R + i, 0)
+        if b == none:
+            continue
+        b_items, b_n, ok = _seq(b, tp)
+        if not ok:
+            return 0, 0, _err(tb, E_NOT_CANONICAL, i, 0, PH_CACHED, FLD_BLOCKS)
+        if b_n != ng:
+            return 0, 0, _err(tb, E_GROUPS, i, b_n, PH_CACHED, FLD_BLOCKS)
+        resumed = False
+        if nres > 0:
+            if ptr == 0:  # an identity hit: its bytes are needed for the lookup
+                ptr, klen, st = _key_of(obj, allow, tp)
+            h = _hash_key(ptr, klen, seed, hmask)  # (a prediction hit computed none)
+            resumed = _table_find(res_tab, rtab_mask, res_hash, res_ptr, res_len, h, ptr, klen) >= 0
+        if resumed:
+            st32(a_scr, S_FLAGS * R + i, 1)
+        for g in range(ng):
+            c, st = _check_int31_list(_item(b_items, g), tp, E_BLOCK_VALUE)
             if st != OK:
-                return _err(tb, E_NCT_RANGE if st == E_INT_RANGE else st, i, 0, PH_CACHED, FLD_NCT)
-            if v < 0 or v > L:
-                return _err(tb, E_NCT_RANGE, i, v, PH_CACHED, FLD_NCT)
-            st32(a_scr, O_ROWS + i, row)
-            st32(a_scr, O_NCT + i, v)
-            nstage += 2
-            b = _item(i_cblk, i)
-            st32(a_scr, O_FLAGS + i, 0)
-            if b != none:
-                b_items, b_n, ok = _seq(b, tp)
-                if not ok:
-                    return _err(tb, E_NOT_CANONICAL, i, 0, PH_CACHED, FLD_BLOCKS)
-                if b_n != ng:
-                    return _err(tb, E_GROUPS, i, b_n, PH_CACHED, FLD_BLOCKS)
-                resumed = False
-                if nres > 0:
-                    if ptr == 0:  # an identity hit: its bytes are needed for the lookup
-                        ptr, klen, st = _key_of(obj, allow, tp)
-                    h = _hash_key(ptr, klen, seed, hmask)  # (a prediction hit computed none)
-                    resumed = _table_find(res_tab, rtab_mask, res_hash, res_ptr, res_len, h, ptr, klen) >= 0
-                if resumed:
-                    st32(a_scr, O_FLAGS + i, 1)
-                for g in range(ng):
-                    c, st = _check_int31_list(_item(b_items, g), tp, E_BLOCK_VALUE)
-                    if st != OK:
-                        return _err(tb, st, i, g, PH_CACHED, FLD_BLOCKS)
-                    base = 0
-                    if not resumed:
-                        if nn > 0 and ld32(a_scr, O_NEW + row) == stamp:
-                            base = ld32(a_scr, O_NB + g * R + ld32(a_scr, O_NEWPOS + row))
-                        else:
-                            base = ld32(a_state, (F_NB + g) * R + row)
-                    if base + c > bt_w[g]:
-                        return _err(tb, E_BLOCK_OVERFLOW, i, g, PH_CACHED, FLD_BLOCKS)
-                    nstage += 1 + c
-                    if c > 0:
-                        prefetch(bt_addr[g] + 4 * (np.int64(row) * bt_w[g] + base))
-    if staging and nstage > stg_cap:
-        return _err(tb, E_STAGE_FULL, -1, nstage, 0, FLD_NONE)
+                return 0, 0, _err(tb, st, i, g, PH_CACHED, FLD_BLOCKS)
+            base = 0
+            if not resumed:
+                if nn > 0 and ld32(a_scr, O_NEW + row) == stamp:
+                    base = ld32(a_scr, (S_NB0 + g) * R + ld32(a_scr, S_NEWPOS * R + row))
+                else:
+                    base = ld32(a_state, (F_NB + g) * R + row)
+            if base + c > bt_w[g]:
+                return 0, 0, _err(tb, E_BLOCK_OVERFLOW, i, g, PH_CACHED, FLD_BLOCKS)
+            nstage += 1 + c
+            if c > 0:
+                prefetch(bt_addr[g] + 4 * (np.int64(row) * bt_w[g] + base))
+    sc[SC_NC] = nc
+    sc[SC_HITS] = hits
+    sc[SC_NMISS] = nmiss
+    sc[SC_NSTAGE] += nstage
+    return i_cid, i_cblk, OK
+
+
+@jit
+def _apply_freed(ix, tb, sc, has_update):
+    """Pass 2 of finish: free the rows, ascending (the result's order, and
+    the order they are freed in); forget them in the prediction."""
+    slots, row_hash, keys, key_len = _ix_arrays(ix)
+    R, nfreed = tb[TB_R], sc[SC_NFREED]
+    scr = view_i32(tb[TB_SCR], (S_NB0 + tb[TB_NG]) * R)
+    freed = view_i32(tb[TB_RES], 3 * R)[2 * R : 2 * R + nfreed]
+    for f in range(nfreed):
+        freed[f] = scr[S_FREED * R + f]
+    _heapsort(freed, nfreed)
+    a_prev_obj, a_prev_row, a_rpp, _o, _r, _p = _prediction_buffers(tb, R, tb[TB_PREV_CUR])
+    prev_n = tb[TB_PREV_N]
+    for f in range(nfreed):
+        r = freed[f]
+        _ix_free_row(ix, slots, row_hash, key_len, r)
+        pp = ld32(a_rpp, r)
+        if 0 <= pp < prev_n and ld32(a_prev_row, pp) == r:
+            st32(a_prev_row, pp, -1)
+            if not has_update and tb[TB_PREV_OWNED] != 0:
+                # no update follows in this call to hand the prediction's
+                # references on (see _commit_prediction): release the freed
+                # id's now, so that a finished id is not kept alive
+                obj = ld64(a_prev_obj, pp)
+                if obj != 0:
+                    st64(a_prev_obj, pp, 0)
+                    decref(obj)
+
+
+@jit
+def _apply_new(ix, tb, tp, sc, nd, nk, array_ok, ws, ns, nt):
+    """Pass 2 of add: each new request's key into the index, its row
+    written. Returns (staged, staged token elements)."""
+    slots, row_hash, keys, key_len = _ix_arrays(ix)
+    mask, kw, seed, hmask, allow = _ix_params(ix)
+    R, ng = tb[TB_R], tb[TB_NG]
+    a_scr = tb[TB_SCR]
+    new_ptr, new_len, new_hash, new_tab, ntab_mask = nk
+    res = view_i32(tb[TB_RES], 3 * R)
+    nc = sc[SC_NC]
+    nb_counts = np.empty(ng, np.int64)
+    for k in range(sc[SC_NN]):
+        r = ld32(a_scr, S_NEWROW * R + k)
+        res[nc + k] = r
+        _write_key(ix, keys, kw, key_len, row_hash, r, new_ptr[k], new_len[k], new_hash[k])
+        _slot_insert(slots, mask, new_hash[k], r)
+        ix[IX_NUM_LIVE] += 1
+        for g in range(ng):
+            nb_counts[g] = ld32(a_scr, (S_NB0 + g) * R + k)
+        ns, nt = write_new_request(tb, tp, nd, k, r, nb_counts, array_ok, ws, ns, nt)
+    return ns, nt
+
+
+@jit
+def _apply_cached(tb, tp, sc, i_cid, i_cblk, ns):
+    """Pass 2 of update: num_computed_tokens (overwritten from the
+    scheduler) and the prefill counter derived from it, block appends, the
+    prediction for the next step. Returns the staged count."""
+    R, ng = tb[TB_R], tb[TB_NG]
+    bt_addr = view_i64(tb[TB_BT_ADDR], ng)
+    bt_w = view_i64(tb[TB_BT_W], ng)
+    flat_bt = view_i64(tb[TB_FLAT_BT], ng)
+    a_state = tb[TB_STATE]
+    a_scr = tb[TB_SCR]
+    SR = tb[TB_STG_STRIDE]
+    staging = tb[TB_STG_ON] != 0
+    fields = tb[TB_STG_FIELDS]
+    stg_nct = staging and (fields >> F_NCT) & 1 != 0
+    stg_ncpt = staging and (fields >> F_NCPT) & 1 != 0
+    a_stg_pos = tb[TB_STG_POS]
+    a_stg_val = tb[TB_STG_VAL]
+    res = view_i32(tb[TB_RES], 3 * R)
+    a_prev_obj, a_prev_row, a_rpp, a_prev_obj_next, a_prev_row_next, a_rpp_next = _prediction_buffers(
+        tb, R, tb[TB_PREV_CUR]
+    )
+    none = tp[5]
+    nc = sc[SC_NC]
+    for i in range(nc):
+        r = ld32(a_scr, S_ROWS * R + i)
+        v = ld32(a_scr, S_NCT * R + i)
+        res[i] = r
+        ns = _put(a_state, F_NCT * R + r, F_NCT * SR + r, v, stg_nct, a_stg_pos, a_stg_val, ns)
+        m = min(v, ld32(a_state, F_PREFILL * R + r))
+        ns = _put(a_state, F_NCPT * R + r, F_NCPT * SR + r, m, stg_ncpt, a_stg_pos, a_stg_val, ns)
+        b = _item(i_cblk, i)
+        if b != none:
+            resumed = ld32(a_scr, S_FLAGS * R + i) == 1
+            ns = _append_blocks(
+                b, resumed, tp, a_state, R, SR, ng, r, bt_addr, bt_w, flat_bt, staging, fields, a_stg_pos, a_stg_val, ns
+            )
+        # remember this update's order and objects for the next prediction
+        # (row_prev_pos[r] is trusted only where prev_row points back at r)
+        st64(a_prev_obj_next, i, _owned_obj(_item(i_cid, i), tp))
+        st32(a_prev_row_next, i, r)
+        st32(a_rpp_next, r, i)
+    _commit_prediction(
+        tb, a_scr, R, sc[SC_STAMP], nc, sc[SC_HITS], sc[SC_NMISS], a_prev_obj, tb[TB_PREV_N], a_prev_obj_next
+    )
+    return ns
+
+
+@jit
+def _general(ixc, tbc, fin, pre, new_desc, new_reqs, cid, cnct_kind, cnct, cnct_n, cblk, cres, nst, spec, total):
+    """Any step that is not update-only: finish, add, update (see the
+    module docstring), in two passes."""
+    ix = view_i64(ixc, IX_SIZE)
+    tb = view_i64(tbc, TB_SIZE)
+    tp = _pytypes(ix)
+    R, ng = tb[TB_R], tb[TB_NG]
+    array_ok = ix[IX_ARRAY_OK]
+    sc = np.zeros(SC_SIZE, np.int64)
+    sc[SC_STAMP] = tb[TB_STAMP] + 1
+    tb[TB_STAMP] = sc[SC_STAMP]
+    nd, nn, st = _new_descriptors(tb, tp, new_desc, new_reqs, array_ok, R)
+    if st != OK:
+        return st
+    sc[SC_NN] = nn
+
+    # ---------------- pass 1: read and validate, write nothing -------------
+    st = _check_freed(ix, tb, tp, sc, fin, pre)
+    if st != OK:
+        return st
+    nk = _new_keys(nn)
+    st = _check_new(ix, tb, tp, sc, nd, nk, array_ok)
+    if st != OK:
+        return st
+    rk, nres, st = _resumed_keys(ix, tb, tp, cres)
+    if st != OK:
+        return st
+    i_cid, i_cblk, st = _check_cached(ix, tb, tp, sc, cid, cnct_kind, cnct, cnct_n, cblk, nk, rk, nres)
+    if st != OK:
+        return st
+    if tb[TB_STG_ON] != 0 and sc[SC_NSTAGE] > tb[TB_STG_CAP]:
+        return _err(tb, E_STAGE_FULL, -1, sc[SC_NSTAGE], 0, FLD_NONE)
     if nst != 0:
+        slots, row_hash, keys, key_len = _ix_arrays(ix)
+        mask, kw, seed, hmask, allow = _ix_params(ix)
+        new_ptr, new_len, new_hash, new_tab, ntab_mask = nk
+        a_scr = tb[TB_SCR]
         st = resolve_batch(
             tb,
             tp,
@@ -1060,11 +1146,11 @@ def _general(ixc, tbc, fin, pre, new, cid, cnct_kind, cnct, cnct_n, cblk, cres, 
             spec,
             total,
             i_cid,
-            nc,
-            a_scr + 4 * O_ROWS,
-            i_new,
+            sc[SC_NC],
+            a_scr + 4 * S_ROWS * R,
+            nd,
             nn,
-            a_scr + 4 * O_NEWROW,
+            a_scr + 4 * S_NEWROW * R,
             slots,
             mask,
             keys,
@@ -1077,140 +1163,29 @@ def _general(ixc, tbc, fin, pre, new, cid, cnct_kind, cnct, cnct_n, cblk, cres, 
             new_ptr,
             new_len,
             a_scr,
-            stamp,
-            nfreed,
+            sc[SC_STAMP],
+            sc[SC_NFREED],
         )
         if st != OK:
             return st
     # the arena grows (in Python) only for a step that is valid otherwise
-    short = _arena_short(ix, need_words)
+    short = _arena_short(ix, sc[SC_NEED_WORDS])
     if short > 0:
         return _err(tb, E_KEY_TOO_LONG, -1, short, PH_NEW, FLD_REQ_ID)
 
     # ---------------- pass 2: apply ----------------------------------------
-    nt = 0
-    ns = ntok if staging else 0
-    # freed rows, ascending: the result's order, and the order they are freed in
-    freed = res[2 * R : 2 * R + nfreed]
-    for f in range(nfreed):
-        freed[f] = scr[O_FREED + f]
-    _heapsort(freed, nfreed)
-    for f in range(nfreed):
-        r = freed[f]
-        _ix_free_row(ix, slots, row_hash, key_len, r)
-        pp = ld32(a_rpp, r)
-        if 0 <= pp < prev_n and ld32(a_prev_row, pp) == r:
-            st32(a_prev_row, pp, -1)
-            if cid == 0 and tb[TB_PREV_OWNED] != 0:
-                # no update follows in this call to hand the prediction's
-                # references on (see _commit_prediction): release the freed
-                # id's now, so that a finished id is not kept alive
-                obj = ld64(a_prev_obj, pp)
-                if obj != 0:
-                    st64(a_prev_obj, pp, 0)
-                    decref(obj)
-    for k in range(nn):
-        d = k * NEW_STRIDE
-        r = scr[O_NEWROW + k]
-        res[nc + k] = r
-        _write_key(ix, keys, kw, key_len, row_hash, r, new_ptr[k], new_len[k], new_hash[k])
-        _slot_insert(slots, mask, new_hash[k], r)
-        ix[IX_NUM_LIVE] += 1
-        plen, st = _int_of(_item(i_new, d + N_PLEN), tp)
-        nct, st = _int_of(_item(i_new, d + N_NCT), tp)
-        mt, st = _int_of(_item(i_new, d + N_MAXT), tp)
-        tkind, st = _int_of(_item(i_new, d + N_TOK_KIND), tp)
-        taddr, st = _int_of(_item(i_new, d + N_TOK), tp)
-        tn, st = _int_of(_item(i_new, d + N_TOK_N), tp)
-        vk, vb, npf, st = _vec(tkind, taddr, tn, tp, array_ok)
-        tbase = np.int64(r) * L
-        if tok_host:
-            if vk == V_I32:  # int32 tokens (vLLM's TokenBuffer): a plain copy
-                for t in range(npf):
-                    st32(tb[TB_TOK], tbase + t, ld32(vb, t))
-            else:
-                for t in range(npf):
-                    v, st = _vget(vk, vb, t, tp)
-                    tok[tbase + t] = v
-        if staging and flat_tok >= 0:
-            for t in range(npf):
-                stg_pos[ns] = flat_tok + tbase + t
-                stg_val[ns] = tok[tbase + t]
-                ns += 1
-        elif staging and tok_ext:
-            # an external target is the only copy (no host one): from the
-            # request's own tokens, validated in pass 1
-            for t in range(npf):
-                v, st = _vget(vk, vb, t, tp)
-                stg_pos[nt] = tbase + t
-                stg_val[nt] = v
-                nt += 1
-        state[F_NCT * R + r] = nct
-        state[F_NCPT * R + r] = min(nct, npf)
-        state[F_PREFILL * R + r] = npf
-        state[F_PROMPT * R + r] = plen
-        state[F_MAXSEQ * R + r] = plen + mt
-        b_items, b_n, ok = _seq(_desc(i_new, d + N_BLK, tp), tp)
-        for g in range(ng):
-            c = scr[O_NB + g * R + k]
-            state[(F_NB + g) * R + r] = c
-            ns = _write_group(
-                _item(b_items, g), tp, bt_addr[g], bt_w[g], r, 0, staging, a_stg_pos, a_stg_val, ns, flat_bt[g]
-            )
-        if staging:
-            for f in range(F_NB + ng):
-                if (fields >> f) & 1:
-                    stg_pos[ns] = f * SR + r
-                    stg_val[ns] = state[f * R + r]
-                    ns += 1
-            if eng >= 0:  # the engine's own copies, seeded once per added row
-                stg_pos[ns] = eng + ENG_TOTAL_LEN * SR + r
-                stg_val[ns] = npf
-                stg_pos[ns + 1] = eng + ENG_NCT * SR + r
-                stg_val[ns + 1] = nct
-                ns += 2
+    staging = tb[TB_STG_ON] != 0
+    ns = sc[SC_NTOK] if staging else 0  # token elements for an external target go first
+    _apply_freed(ix, tb, sc, cid != 0)
+    ns, nt = _apply_new(ix, tb, tp, sc, nd, nk, array_ok, _write_ctx(tb, ng), ns, 0)
     # (freeing lowered the free-row hint; rows below it are still all live)
     if cid != 0:
-        none = tp[5]
-        for i in range(nc):
-            r = ld32(a_scr, O_ROWS + i)
-            v = ld32(a_scr, O_NCT + i)
-            res[i] = r
-            ns = _put(a_state, F_NCT * R + r, F_NCT * SR + r, v, stg_nct, a_stg_pos, a_stg_val, ns)
-            m = min(v, ld32(a_state, F_PREFILL * R + r))
-            ns = _put(a_state, F_NCPT * R + r, F_NCPT * SR + r, m, stg_ncpt, a_stg_pos, a_stg_val, ns)
-            b = _item(i_cblk, i)
-            if b != none:
-                resumed = ld32(a_scr, O_FLAGS + i) == 1
-                ns = _append_blocks(
-                    b,
-                    resumed,
-                    tp,
-                    a_state,
-                    R,
-                    SR,
-                    ng,
-                    r,
-                    bt_addr,
-                    bt_w,
-                    flat_bt,
-                    staging,
-                    fields,
-                    a_stg_pos,
-                    a_stg_val,
-                    ns,
-                )
-            # remember this update's order and objects for the next prediction
-            # (row_prev_pos[r] is trusted only where prev_row points back at r)
-            st64(a_prev_obj_next, i, _owned_obj(_item(i_cid, i), tp))
-            st32(a_prev_row_next, i, r)
-            st32(a_rpp_next, r, i)
-        _commit_prediction(tb, a_scr, R, stamp, nc, hits, nmiss, a_prev_obj, prev_n, a_prev_obj_next)
-    tb[TB_RES_NC] = nc
+        ns = _apply_cached(tb, tp, sc, i_cid, i_cblk, ns)
+    tb[TB_RES_NC] = sc[SC_NC]
     tb[TB_RES_NN] = nn
-    tb[TB_RES_NF] = nfreed
+    tb[TB_RES_NF] = sc[SC_NFREED]
     tb[TB_STG_N] = ns
     tb[TB_STG_TOK_N] = nt
     if nst != 0:
-        write_batch(tb, R, a_state)
+        write_batch(tb, R, tb[TB_STATE])
     return OK

@@ -1,0 +1,57 @@
+"""Element writes of the step kernels: a state field, one group's block
+ids, each staged for the device mirror as it is written; and the check of
+an id list (token ids, block ids) that precedes such a write."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from mtpstate._kernels.index import E_INT_RANGE, E_NOT_CANONICAL, INT32_MAX, OK, _int_of, _item, _seq
+from mtpstate._kernels.native import jit, ld32, st32, st64
+
+
+@jit
+def _check_int31_list(seq, tp, value_error):
+    """(count, status) of a list of ints each in [0, 2**31) (token ids, block
+    ids); ``value_error`` is the status for a value out of range."""
+    items, n, ok = _seq(seq, tp)
+    if not ok:
+        return 0, E_NOT_CANONICAL
+    for j in range(n):
+        v, st = _int_of(_item(items, j), tp)
+        if st == E_INT_RANGE:
+            return 0, value_error
+        if st != OK:
+            return 0, st
+        if v < 0 or v > INT32_MAX:
+            return 0, value_error
+    return n, OK
+
+
+@jit(signature="int64(int64, int64, int64, int64, boolean, int64, int64, int64)")
+def _put(a_state, pos, dpos, v, staging, a_stg_pos, a_stg_val, ns):
+    """state[pos] = v; stage it (at the device position ``dpos``) only if
+    the value changed (bytes shipped grow with what changed)."""
+    old = ld32(a_state, pos)
+    st32(a_state, pos, v)
+    if staging and old != v:
+        st64(a_stg_pos, ns, dpos)
+        st32(a_stg_val, ns, v)
+        ns += 1
+    return ns
+
+
+@jit(signature="int64(int64, UniTuple(int64, 10), int64, int64, int64, int64, boolean, int64, int64, int64, int64)")
+def _write_group(seq, tp, a_bt, w, row, start, staging, a_stg_pos, a_stg_val, ns, flat):
+    """Write one group's block ids into ``bt[row, start:]`` (``a_bt``: the
+    table's address); returns the new number of staged elements."""
+    items, n, ok = _seq(seq, tp)
+    base = np.int64(row) * w + start
+    for j in range(n):
+        v, st = _int_of(_item(items, j), tp)
+        st32(a_bt, base + j, v)
+        if staging:
+            st64(a_stg_pos, ns, flat + base + j)
+            st32(a_stg_val, ns, v)
+            ns += 1
+    return ns
