@@ -221,18 +221,25 @@ def _read_new_request(r, k: int, held=(), failed=None) -> _NewRequest:
     try:
         rid = read(0, r, "req_id")
     except Exception as e:
-        raise InvalidStepError(f"new request #{k}: req_id: {e!r}") from None
+        raise InvalidStepError(f"new request #{k}: reading req_id raised {e!r}") from None
     if not isinstance(rid, str):
         raise InvalidStepError(f"new request #{k}: req_id must be str, got {type(rid).__name__} {_short(rid)}")
+    name = ""
     try:
-        prompt = read(1, r, "prompt_token_ids")
-        tokens = read(2, r, "prefill_token_ids", None)
-        blocks = read(3, r, "block_ids")
-        nct = read(4, r, "num_computed_tokens")
-        sp = read(5, r, "sampling_params")
+        name = "prompt_token_ids"
+        prompt = read(1, r, name)
+        name = "prefill_token_ids"
+        tokens = read(2, r, name, None)
+        name = "block_ids"
+        blocks = read(3, r, name)
+        name = "num_computed_tokens"
+        nct = read(4, r, name)
+        name = "sampling_params"
+        sp = read(5, r, name)
+        name = "sampling_params.max_tokens"
         max_tokens = read(6, sp, "max_tokens") if sp is not None else None
     except Exception as e:
-        raise InvalidStepError(f"new request {rid!r}: {e!r}") from None
+        raise InvalidStepError(f"new request {rid!r}: reading {name} raised {e!r}") from None
     return _new_request_of(r, rid, prompt, tokens, blocks, nct, max_tokens)
 
 

@@ -478,6 +478,114 @@ def surrogate_id(w, p):
     return w.build(p), w.build(p), []
 
 
+# new requests whose attributes run code: the kernel reads them in place
+# (PyObject_GetAttr), holding what it read until the call returns
+
+
+def _with_new(w, p):
+    p = (*p[:4], p[4] or [("nx", [1, 2, 3])])
+    return p, w.build(p)
+
+
+def raising_new_attr(attr):
+    def fn(w, p):
+        p, so = _with_new(w, p)
+        r = so.scheduled_new_reqs[-1]
+
+        class Raising(type(r)):
+            pass
+
+        def boom(self):
+            raise ValueError("boom")
+
+        setattr(Raising, attr, property(boom))
+        r.__class__ = Raising
+        r.__dict__.pop(attr, None)
+        return so, None, [attr if attr != "max_tokens" else "max_tokens", "boom"]
+
+    return fn
+
+
+def raising_max_tokens(w, p):
+    p, so = _with_new(w, p)
+
+    class SP:
+        @property
+        def max_tokens(self):
+            raise ValueError("boom")
+
+    so.scheduled_new_reqs[-1].sampling_params = SP()
+    return so, None, ["max_tokens", "boom"]
+
+
+def no_prefill_attribute(w, p):
+    """An older NewRequestData without prefill_token_ids: the prompt is the
+    prefill."""
+    p, so = _with_new(w, p)
+    for r in so.scheduled_new_reqs:
+        del r.prefill_token_ids
+    return so, _with_new(w, p)[1], []
+
+
+def property_changes_new_list(w, p):
+    p, so = _with_new(w, p)
+    lst = so.scheduled_new_reqs
+    r = lst[-1]
+
+    class Shrinks(type(r)):
+        @property
+        def block_ids(self):
+            lst.clear()  # drops every request from the list mid-read
+            return self._b
+
+    r.__class__ = Shrinks
+    r._b = r.__dict__.pop("block_ids")
+    if len(lst) == 1:  # the list is read to its end: add a second to notice the change
+        lst.append(_with_new(w, (*p[:4], [("ny", [4, 5])]))[1].scheduled_new_reqs[0])
+    return so, None, ["scheduled_new_reqs", "changed"]
+
+
+def property_reenters_from_new(w, p):
+    p, so = _with_new(w, p)
+    inner = w.build(p)
+    r = so.scheduled_new_reqs[-1]
+
+    class Reenters(type(r)):
+        @property
+        def num_computed_tokens(self):
+            w.t.apply(inner)  # re-enters the table from inside the kernel's read
+            return 0
+
+    r.__class__ = Reenters
+    r.__dict__.pop("num_computed_tokens")
+    return so, None, ["num_computed_tokens", "re-entrant"]
+
+
+def temporaries_freed_mid_read(w, p):
+    """Every attribute a fresh object, the request itself dropped by the
+    list's owner mid-read: all must stay alive until the call returns."""
+    p, so = _with_new(w, p)
+    eq = _with_new(w, p)[1]
+    lst = so.scheduled_new_reqs
+    for i, r in enumerate(list(lst)):
+        toks, blocks, rid = list(r.prefill_token_ids), r.block_ids, r.req_id
+
+        class Fresh:
+            prompt_token_ids = property(lambda self, t=toks: TokenBuffer(t))
+            prefill_token_ids = property(lambda self, t=toks: list(t))
+            block_ids = property(lambda self, b=blocks: tuple(list(g) for g in b))
+            num_computed_tokens = property(lambda self: int("0"))
+            sampling_params = property(lambda self: SamplingParams(8))
+
+            @property
+            def req_id(self, rid=rid, i=i):
+                lst[i] = None if i + 1 < len(lst) else lst[i]  # the list no longer holds earlier requests
+                return (rid + ".")[:-1]
+
+        lst[i] = Fresh()
+    return so, eq, []
+
+
 CASES = {
     "none:req_ids": none_field("req_ids"),
     "none:num_computed_tokens": none_field("num_computed_tokens"),
@@ -534,6 +642,12 @@ CASES = {
     "bool num_computed_tokens": bool_nct,
     "int subclass values": int_subclass,
     "lone surrogate id": surrogate_id,
+    **{f"new: {a} raises": raising_new_attr(a) for a in ("req_id", "prompt_token_ids", "block_ids", "sampling_params")},
+    "new: max_tokens raises": raising_max_tokens,
+    "new: no prefill_token_ids attribute": no_prefill_attribute,
+    "new: a property empties the list": property_changes_new_list,
+    "new: a property re-enters the table": property_reenters_from_new,
+    "new: temporaries and a list emptied mid-read": temporaries_freed_mid_read,
     **{
         f"batch: {k}": batch_case(k)
         for k in ("unknown", "count str", "count huge", "drafts None", "not a dict", "changed")

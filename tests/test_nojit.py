@@ -50,6 +50,16 @@ def test_table_bad_steps_nojit():
         test_bad_step_changes_nothing(name)
 
 
+def test_new_requests_read_in_place_nojit():
+    """The attribute reads (getattr_held) and the holder list as plain Python."""
+    from test_table import test_a_base_exception_in_a_new_request_property_propagates as base_exception
+    from test_table import test_new_request_attributes_are_read_once as read_once
+
+    for shape in ("in place", "a generator prompt", "no prefill attribute", "a long id", "raises at the last"):
+        read_once(shape)
+    base_exception()
+
+
 def test_reference_counts_nojit():
     from test_table import test_reference_counts_balance
 

@@ -426,3 +426,87 @@ def test_finished_ids_are_released_by_the_step_that_finishes_them():
     t.apply(SchedulerOutput(scheduled_new_reqs=[NewRequestData(ids[0], [1], SamplingParams(4), ([9],), 0)]))
     t.apply(SchedulerOutput(scheduled_cached_reqs=CachedRequestData([ids[0]], set(), [[]], [None], [1], [0])))
     assert t.num_computed_tokens[t.rows([ids[0]])].tolist() == [1]
+
+
+class _CountedNew:
+    """A NewRequestData that counts each attribute read (the kernel reads
+    them through PyObject_GetAttr, so __getattribute__ sees every one)."""
+
+    def __init__(self, reads, raises=None, **attrs):
+        object.__setattr__(self, "_reads", reads)
+        object.__setattr__(self, "_raises", raises)
+        object.__setattr__(self, "_attrs", attrs)
+
+    def __getattribute__(self, name):
+        if name.startswith("_"):
+            return object.__getattribute__(self, name)
+        attrs = object.__getattribute__(self, "_attrs")
+        rid = attrs.get("req_id")
+        reads = object.__getattribute__(self, "_reads")
+        reads[(rid, name)] = reads.get((rid, name), 0) + 1
+        if name == object.__getattribute__(self, "_raises"):
+            raise KeyboardInterrupt if name == "num_computed_tokens" else ValueError(f"no {name}")
+        if name not in attrs:
+            raise AttributeError(name)
+        return attrs[name]
+
+
+def _counted(reads, rid, tokens=(1, 2, 3), raises=None, **kw):
+    attrs = dict(
+        req_id=rid,
+        prompt_token_ids=list(tokens),
+        prefill_token_ids=None,
+        block_ids=([1],),
+        num_computed_tokens=0,
+        sampling_params=SamplingParams(8),
+    )
+    attrs.update(kw)
+    return _CountedNew(reads, raises, **attrs)
+
+
+@pytest.mark.parametrize(
+    "shape",
+    ["in place", "a generator prompt", "no prefill attribute", "a long id", "raises at the last", "a numpy prompt"],
+)
+def test_new_request_attributes_are_read_once(shape):
+    """Whatever path a step takes (in place, the Python reader taking over
+    from the kernel, a retry for the key arena), each attribute of each new
+    request is read once: a property with effects runs once."""
+    reads = {}
+    reqs = [_counted(reads, "a"), _counted(reads, "b", tokens=range(5))]
+    if shape == "a generator prompt":
+        reqs[0]._attrs["prompt_token_ids"] = (x for x in [1, 2, 3])
+    elif shape == "no prefill attribute":
+        del reqs[1]._attrs["prefill_token_ids"]
+    elif shape == "a long id":
+        reqs.append(_counted(reads, "L" * 300))
+    elif shape == "raises at the last":
+        reqs.append(_counted(reads, "c", raises="block_ids"))
+    elif shape == "a numpy prompt":
+        reqs[1]._attrs["prompt_token_ids"] = np.arange(5, dtype=np.int16)
+    t = RequestTable(max_num_reqs=4, max_model_len=64, block_sizes=[16], device=None)
+    before = table_snapshot(t)
+    if shape == "raises at the last":
+        with pytest.raises(InvalidStepError, match="'c'.*block_ids.*no block_ids"):
+            t.apply(_so(new=reqs))
+        assert_same_snapshot(before, table_snapshot(t))
+    else:
+        t.apply(_so(new=reqs))
+        assert len(t) == len(reqs)
+    # every attribute up to the failing one, each read exactly once
+    assert reads and set(reads.values()) == {1}, reads
+    assert ("a", "req_id") in reads and ("b", "num_computed_tokens") in reads
+    assert t.python_path_steps == 0
+
+
+def test_a_base_exception_in_a_new_request_property_propagates():
+    """KeyboardInterrupt raised while the kernel reads an attribute is not
+    turned into a StateError (nor swallowed); the table is unchanged."""
+    reads = {}
+    t = _fresh_table()
+    before = table_snapshot(t)
+    with pytest.raises(KeyboardInterrupt):
+        t.apply(_so(new=[_counted(reads, "c"), _counted(reads, "d", raises="num_computed_tokens")]))
+    assert_same_snapshot(before, table_snapshot(t))
+    assert reads[("d", "num_computed_tokens")] == 1
+    t.apply(_so(cached=_cached(["a", "b"], [5, 5])))  # and the table goes on
