@@ -38,6 +38,10 @@ JIT_DISABLED = os.environ.get("NUMBA_DISABLE_JIT", "0") not in ("", "0")
 _MASK64 = (1 << 64) - 1
 
 
+# the kernels the Python side calls; every other kernel is called by kernels only
+ENTRY_KERNELS = frozenset({"tb_apply", "ix_find", "ix_insert", "ix_remove", "ix_rehash"})
+
+
 def jit(fn=None, *, signature: str | None = None, **kwargs):
     """The one place that fixes the decorator options of every kernel.
 
@@ -57,9 +61,18 @@ def jit(fn=None, *, signature: str | None = None, **kwargs):
     options = {"cache": True, "nogil": False, "boundscheck": False, "error_model": "numpy"}
     options.update(kwargs)
     args = () if signature is None else (signature,)
+
+    # only the entry kernels are called from Python: the others need no
+    # CPython wrapper (one less function per kernel to generate and compile)
+    def decorate(f):
+        opts = dict(options)
+        if f.__name__ not in ENTRY_KERNELS:
+            opts.update(no_cpython_wrapper=True, no_cfunc_wrapper=True)
+        return numba.njit(*args, **opts)(f)
+
     if fn is None:
-        return lambda f: numba.njit(*args, **options)(f)
-    return numba.njit(*args, **options)(fn)
+        return decorate
+    return decorate(fn)
 
 
 class _CompileNotice(numba.core.event.Listener):

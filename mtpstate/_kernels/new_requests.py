@@ -69,6 +69,7 @@ from mtpstate._kernels.native import (
     load_i64,
     st32,
     st64,
+    view_i64,
 )
 from mtpstate._kernels.slots import (
     ENG_NCT,
@@ -97,8 +98,24 @@ from mtpstate._kernels.slots import (
     N_TOK_KIND,
     N_TOK_N,
     NEW_STRIDE,
+    TB_BT_ADDR,
+    TB_BT_W,
+    TB_FLAT_BT,
+    TB_FLAT_ENG,
+    TB_FLAT_TOK,
+    TB_L,
     TB_NEW_HOLDER,
     TB_NEW_NAMES,
+    TB_NG,
+    TB_R,
+    TB_STATE,
+    TB_STG_FIELDS,
+    TB_STG_ON,
+    TB_STG_POS,
+    TB_STG_STRIDE,
+    TB_STG_VAL,
+    TB_TOK,
+    TB_TOK_EXT,
     _err,
 )
 from mtpstate._kernels.writes import _check_int31_list, _write_group
@@ -107,7 +124,7 @@ from mtpstate._kernels.writes import _check_int31_list, _write_group
 # descriptors
 
 
-@jit
+@jit(signature="int64(int64, int64, int64, int64)")
 def _hold(holder, slot, obj, name):
     """``getattr(obj, name)`` into slot ``slot`` of the holder list (which
     owns it from then on); the value's address, or 0 when the read raised
@@ -120,7 +137,7 @@ def _hold(holder, slot, obj, name):
     return v
 
 
-@jit
+@jit(signature="int64(int64, UniTuple(int64, 10), int64, int64)")
 def _token_kind(obj, tp, array_type, array_ok):
     """V_* kind of a token container read in place (exact list or tuple, an
     array.array or a subclass such as vLLM's TokenBuffer), -1 otherwise."""
@@ -132,7 +149,7 @@ def _token_kind(obj, tp, array_type, array_ok):
     return -1
 
 
-@jit
+@jit(signature="Tuple((int64, boolean))(int64, UniTuple(int64, 10), int64, int64)")
 def _exact_int_or(obj, tp, default, out_of_range):
     """(value, ok) of an exact int (``out_of_range`` outside int64, which
     pass 1 rejects), ``default`` for None; ok False for any other type."""
@@ -291,44 +308,40 @@ def check_new_request(tb, tp, nd, k, L, ng, bt_w, array_ok, nb_counts):
     return OK, npf
 
 
+@jit(signature="void(int64, int64, int64, UniTuple(int64, 10), int64, int64)")
+def _copy_tokens(vk, vb, n, tp, a_dst, at):
+    """int32 ``dst[at:at + n]`` = the token vector (``_vec``), validated."""
+    if vk == V_I32:  # int32 tokens (vLLM's TokenBuffer): a plain copy
+        for t in range(n):
+            st32(a_dst, at + t, ld32(vb, t))
+        return
+    for t in range(n):
+        v, st = _vget(vk, vb, t, tp)
+        st32(a_dst, at + t, v)
+
+
 @jit
-def write_new_request(tb, tp, nd, k, r, nb_counts, array_ok, ws, ns, nt):
+def write_new_request(tb, tp, nd, k, r, nb_counts, array_ok, ns, nt):
     """Pass 2 of new request k at row r: the state fields, the token ids
     (host copy and/or staged), the block tables (``nb_counts``: the counts
-    pass 1 found), each staged. ``ws``: the step's write context (see
-    step.py's ``_write_ctx``). Returns (staged, staged token elements)."""
-    (
-        a_state,
-        R,
-        SR,
-        L,
-        ng,
-        bt_addr,
-        bt_w,
-        flat_bt,
-        tok_host,
-        a_tok,
-        flat_tok,
-        tok_ext,
-        eng,
-        fields,
-        staging,
-        a_pos,
-        a_val,
-    ) = ws
+    pass 1 found), each staged. Returns (staged, staged token elements)."""
+    a_state, R, L, ng = tb[TB_STATE], tb[TB_R], tb[TB_L], tb[TB_NG]
+    SR = tb[TB_STG_STRIDE]  # the device's row stride for staged positions
+    bt_addr = view_i64(tb[TB_BT_ADDR], ng)
+    bt_w = view_i64(tb[TB_BT_W], ng)
+    flat_bt = view_i64(tb[TB_FLAT_BT], ng)
+    a_tok = tb[TB_TOK]  # 0: no host copy (the mirror's token target is the only one)
+    flat_tok, eng, fields = tb[TB_FLAT_TOK], tb[TB_FLAT_ENG], tb[TB_STG_FIELDS]
+    staging = tb[TB_STG_ON] != 0
+    tok_ext = tb[TB_TOK_EXT] != 0
+    a_pos, a_val = tb[TB_STG_POS], tb[TB_STG_VAL]
     d = k * NEW_STRIDE
     nct = nd[d + N_NCT]
     plen = nd[d + N_PLEN]
     vk, vb, npf, st = _vec(nd[d + N_TOK_KIND], nd[d + N_TOK], nd[d + N_TOK_N], tp, array_ok)
     tbase = np.int64(r) * L
-    if tok_host:
-        if vk == V_I32:  # int32 tokens (vLLM's TokenBuffer): a plain copy
-            for t in range(npf):
-                st32(a_tok, tbase + t, ld32(vb, t))
-        else:
-            for t in range(npf):
-                v, st = _vget(vk, vb, t, tp)
-                st32(a_tok, tbase + t, v)
+    if a_tok != 0:
+        _copy_tokens(vk, vb, npf, tp, a_tok, tbase)
     if staging and flat_tok >= 0:
         for t in range(npf):
             st64(a_pos, ns, flat_tok + tbase + t)
@@ -337,11 +350,10 @@ def write_new_request(tb, tp, nd, k, r, nb_counts, array_ok, ws, ns, nt):
     elif staging and tok_ext:
         # an external target is the only copy (no host one): from the
         # request's own tokens, validated in pass 1
+        _copy_tokens(vk, vb, npf, tp, a_val, nt)
         for t in range(npf):
-            v, st = _vget(vk, vb, t, tp)
-            st64(a_pos, nt, tbase + t)
-            st32(a_val, nt, v)
-            nt += 1
+            st64(a_pos, nt + t, tbase + t)
+        nt += npf
     st32(a_state, F_NCT * R + r, nct)
     st32(a_state, F_NCPT * R + r, min(nct, npf))
     st32(a_state, F_PREFILL * R + r, npf)

@@ -148,7 +148,6 @@ from mtpstate._kernels.slots import (
     TB_BT_W,
     TB_DQL,
     TB_FLAT_BT,
-    TB_FLAT_ENG,
     TB_FLAT_TOK,
     TB_L,
     TB_NG,
@@ -176,7 +175,6 @@ from mtpstate._kernels.slots import (
     TB_STG_STRIDE,
     TB_STG_TOK_N,
     TB_STG_VAL,
-    TB_TOK,
     TB_TOK_EXT,
     _err,
 )
@@ -710,31 +708,6 @@ def _new_descriptors(tb, tp, new_desc, new_reqs, array_ok, R):
 
 
 @jit
-def _write_ctx(tb, ng):
-    """What pass 2 writes to, one tuple: state, shape, block tables, token
-    ids, staging (see ``write_new_request``)."""
-    return (
-        tb[TB_STATE],
-        tb[TB_R],
-        tb[TB_STG_STRIDE],  # the device's row stride for staged positions
-        tb[TB_L],
-        ng,
-        view_i64(tb[TB_BT_ADDR], ng),
-        view_i64(tb[TB_BT_W], ng),
-        view_i64(tb[TB_FLAT_BT], ng),
-        tb[TB_TOK] != 0,  # False: no host copy (the mirror's token target is the only one)
-        tb[TB_TOK],
-        tb[TB_FLAT_TOK],
-        tb[TB_TOK_EXT] != 0,
-        tb[TB_FLAT_ENG],
-        tb[TB_STG_FIELDS],
-        tb[TB_STG_ON] != 0,
-        tb[TB_STG_POS],
-        tb[TB_STG_VAL],
-    )
-
-
-@jit
 def _check_freed(ix, tb, tp, sc, fin, pre):
     """Pass 1 of finish: finished_req_ids | preempted_req_ids; unknown ids
     are ignored."""
@@ -757,7 +730,7 @@ def _check_freed(ix, tb, tp, sc, fin, pre):
     return OK
 
 
-@jit
+@jit(signature="Tuple((int64[::1], int64[::1], uint64[::1], int64[::1], int64))(int64)")
 def _new_keys(nn):
     """The step's new ids as a small hash table: (key addresses, lengths,
     hashes, table, table mask)."""
@@ -1027,7 +1000,7 @@ def _apply_freed(ix, tb, sc, has_update):
 
 
 @jit
-def _apply_new(ix, tb, tp, sc, nd, nk, array_ok, ws, ns, nt):
+def _apply_new(ix, tb, tp, sc, nd, nk, array_ok, ns, nt):
     """Pass 2 of add: each new request's key into the index, its row
     written. Returns (staged, staged token elements)."""
     slots, row_hash, keys, key_len = _ix_arrays(ix)
@@ -1046,7 +1019,7 @@ def _apply_new(ix, tb, tp, sc, nd, nk, array_ok, ws, ns, nt):
         ix[IX_NUM_LIVE] += 1
         for g in range(ng):
             nb_counts[g] = ld32(a_scr, (S_NB0 + g) * R + k)
-        ns, nt = write_new_request(tb, tp, nd, k, r, nb_counts, array_ok, ws, ns, nt)
+        ns, nt = write_new_request(tb, tp, nd, k, r, nb_counts, array_ok, ns, nt)
     return ns, nt
 
 
@@ -1105,7 +1078,7 @@ def _general(ixc, tbc, fin, pre, new_desc, new_reqs, cid, cnct_kind, cnct, cnct_
     ix = view_i64(ixc, IX_SIZE)
     tb = view_i64(tbc, TB_SIZE)
     tp = _pytypes(ix)
-    R, ng = tb[TB_R], tb[TB_NG]
+    R = tb[TB_R]
     array_ok = ix[IX_ARRAY_OK]
     sc = np.zeros(SC_SIZE, np.int64)
     sc[SC_STAMP] = tb[TB_STAMP] + 1
@@ -1177,7 +1150,7 @@ def _general(ixc, tbc, fin, pre, new_desc, new_reqs, cid, cnct_kind, cnct, cnct_
     staging = tb[TB_STG_ON] != 0
     ns = sc[SC_NTOK] if staging else 0  # token elements for an external target go first
     _apply_freed(ix, tb, sc, cid != 0)
-    ns, nt = _apply_new(ix, tb, tp, sc, nd, nk, array_ok, _write_ctx(tb, ng), ns, 0)
+    ns, nt = _apply_new(ix, tb, tp, sc, nd, nk, array_ok, ns, 0)
     # (freeing lowered the free-row hint; rows below it are still all live)
     if cid != 0:
         ns = _apply_cached(tb, tp, sc, i_cid, i_cblk, ns)
