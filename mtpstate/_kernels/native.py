@@ -759,6 +759,31 @@ def _prefetch(typingctx, addr):
 prefetch = _pick(_py_prefetch, lambda: _prefetch)
 
 
+# the objects of a step (ids, counts, draft lists) are fresh from the
+# scheduler's pickle and scattered over memory: at N = 4096 each first touch
+# is a miss to DRAM. A per-request loop prefetches the objects it will read
+# PREFETCH_AHEAD items later, so the misses overlap instead of queueing.
+PREFETCH_AHEAD = 12
+
+
+@intrinsic
+def _prefetch_read(typingctx, addr):
+    sig = types.void(types.int64)
+
+    def codegen(context, builder, signature, args):
+        i8p = ir.IntType(8).as_pointer()
+        i32 = ir.IntType(32)
+        fnty = ir.FunctionType(ir.VoidType(), [i8p, i32, i32, i32])
+        fn = cgutils.get_or_insert_function(builder.module, fnty, "llvm.prefetch.p0i8")
+        builder.call(fn, [builder.inttoptr(args[0], i8p), i32(0), i32(3), i32(1)])
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
+prefetch_read = _pick(_py_prefetch, lambda: _prefetch_read)
+
+
 # ----------------------------------------------------------------------------
 # element loads/stores at base address + index: no negative-index wraparound
 # branch (numba adds one to every signed array index), for the hot loops

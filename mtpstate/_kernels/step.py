@@ -57,6 +57,7 @@ from mtpstate._kernels.index import (
     PH_NEW,
     PH_PREEMPT,
     PH_RESUMED,
+    V_OBJ,
     _arena_short,
     _hash_key,
     _int_of,
@@ -81,6 +82,7 @@ from mtpstate._kernels.index import (
 from mtpstate._kernels.native import (
     OFF_ITEMS,
     OFF_TYPE,
+    PREFETCH_AHEAD,
     decref,
     incref,
     jit,
@@ -88,6 +90,7 @@ from mtpstate._kernels.native import (
     ld64,
     load_i64,
     prefetch,
+    prefetch_read,
     st32,
     st64,
     view_i32,
@@ -277,6 +280,18 @@ def _predict_miss(obj, j, prev_n, a_prev_row, a_rpp, slots, mask, keys, kw, seed
         if 0 <= pp < prev_n and ld32(a_prev_row, pp) == row:
             j = pp + 1
     return row, j, OK, h, ptr, klen
+
+
+@jit(signature="void(int64, int64, int64, int64, int64)")
+def _prefetch_cached(i_cid, vk, vb, i, nc):
+    """Prefetch what the update reads of cached request i (its id's header
+    and bytes, its num_computed_tokens int), if there is one."""
+    if i < nc:
+        obj = _item(i_cid, i)
+        prefetch_read(obj)
+        prefetch_read(obj + 64)
+        if vk == V_OBJ:
+            prefetch_read(_item(vb, i))
 
 
 @jit
@@ -492,6 +507,7 @@ def _update_only(ixc, tbc, cid, cnct_kind, cnct, cnct_n, cblk, nst, spec, total)
     # copies the positions so far into the next buffer and leaves sync.
     sync = True
     for i in range(nc):
+        _prefetch_cached(i_cid, vk, vb, i + PREFETCH_AHEAD, nc)
         obj = _item(i_cid, i)
         row = -1
         if sync:
@@ -888,6 +904,7 @@ def _check_cached(ix, tb, tp, sc, cid, cnct_kind, cnct, cnct_n, cblk, nk, rk, nr
     nmiss = 0
     nstage = 0
     for i in range(nc):
+        _prefetch_cached(i_cid, vk, vb, i + PREFETCH_AHEAD, nc)
         obj = _item(i_cid, i)
         row = ld32(a_prev_row, j) if j < prev_n and ld64(a_prev_obj, j) == obj else -1
         st = OK
