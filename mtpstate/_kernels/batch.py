@@ -34,12 +34,15 @@ from mtpstate._kernels.index import (
     FLD_REQ_ID,
     FLD_TOTAL,
     INT32_MAX,
+    IX_DICT_OK,
     OK,
     PH_BATCH,
     PH_SPEC,
     _hash_key,
     _int_of,
     _item,
+    _ix_arrays,
+    _ix_params,
     _key_of,
     _probe,
     _raw_equal,
@@ -109,6 +112,8 @@ from mtpstate._kernels.slots import (
     TB_BATCH_IDX,
     TB_BATCH_OBJ,
     TB_DQL,
+    TB_R,
+    TB_SCR,
     _err,
 )
 
@@ -195,61 +200,23 @@ def _int64_heapsort(a, lo, n):
         _sift64(a, lo, 0, end)
 
 
-# explicit signatures: called from three sites, some with literal zeros,
-# which would otherwise compile one specialization each
-_RESOLVE_SIG = (
-    "int64(int64[::1], UniTuple(int64, 10), int64, int64, int64, int64, int64, int64, int64, int64, int64,"
-    " int64[::1], int64, int64, int64[::1], int64, uint64[::1], int64, int64, int64, int64[::1], int64, uint64[::1],"
-    " int64[::1], int64[::1], int64, int64, int64)"
-)
+# (the step's new ids as _new_keys builds them: addresses, lengths, hashes, table, mask)
+_NEW_KEYS = "Tuple((int64[::1], int64[::1], uint64[::1], int64[::1], int64))"
+_TP = "UniTuple(int64, 10)"
 
 
-@jit(signature=_RESOLVE_SIG)
-def resolve_batch(
-    tb,
-    tp,
-    allow,
-    dict_ok,
-    R,
-    nst,
-    spec,
-    total,
-    i_cid,
-    nc,
-    a_rows_c,
-    new_desc,
-    nn,
-    a_rows_n,
-    ix_slots,
-    mask,
-    keys,
-    kw,
-    seed,
-    hmask,
-    new_tab,
-    ntab_mask,
-    new_hash,
-    new_ptr,
-    new_len,
-    a_scr,
-    stamp,
-    nfreed,
-):
-    """Pass 1 of the batch: rows, counts and draft counts of every scheduled
-    id, validated, and the batch order (``B_PERM``). Writes only the batch
-    scratch. ``nst``/``spec``: exact dicts (``spec`` 0 when absent), read
-    only here, once, under the GIL; ``total``: the int object of
-    ``total_num_scheduled_tokens`` or 0. Returns a status."""
-    lookup = (ix_slots, mask, keys, kw, seed, hmask, new_tab, ntab_mask, new_hash, new_ptr, new_len, nn, a_rows_n,
-              a_scr, R, stamp, nfreed)  # fmt: skip
+@jit
+def _scheduled_rows(tb, tp, allow, dict_ok, R, nst, total, i_cid, nc, a_rows_c, new_desc, nn, a_rows_n, lookup):
+    """Phase 1: each entry of num_scheduled_tokens, in dict order: its row
+    (the usual owner of position i checked first), its count; the sum
+    checked against total_num_scheduled_tokens. Returns (entries, status)."""
     a_b = tb[TB_BATCH]
     a_bo = tb[TB_BATCH_OBJ]
-    dql = tb[TB_DQL]
     bstamp = tb[TB_B_STAMP] + 1
     tb[TB_B_STAMP] = bstamp
     n = load_i64(nst + DICT_MA_USED)
     if n > R:
-        return _err(tb, E_BATCH_SIZE, -1, n, PH_BATCH, FLD_REQ_ID)
+        return 0, _err(tb, E_BATCH_SIZE, -1, n, PH_BATCH, FLD_REQ_ID)
     O_ROW = B_POS_ROW * R
     O_NUM = B_POS_NUM * R
     O_DR = B_POS_DRAFTS * R
@@ -264,12 +231,12 @@ def resolve_batch(
         if i == n or found == 0:
             if (i == n) == (found == 0):
                 break
-            return _err(tb, E_CHANGED, -1, 0, PH_BATCH, FLD_REQ_ID)  # pragma: no cover - GIL held
+            return 0, _err(tb, E_CHANGED, -1, 0, PH_BATCH, FLD_REQ_ID)  # pragma: no cover - GIL held
         v, st = _int_of(val, tp)
         if st == E_INT_RANGE or (st == OK and (v < 0 or v > INT32_MAX)):
-            return _err(tb, E_COUNT_VALUE, i, v if st == OK else -1, PH_BATCH, FLD_COUNT)
+            return 0, _err(tb, E_COUNT_VALUE, i, v if st == OK else -1, PH_BATCH, FLD_COUNT)
         if st != OK:
-            return _err(tb, st, i, 0, PH_BATCH, FLD_COUNT)
+            return 0, _err(tb, st, i, 0, PH_BATCH, FLD_COUNT)
         # the i-th scheduled id (cached, then new) is the usual owner of position i
         e = 0
         erow = -1
@@ -283,15 +250,15 @@ def resolve_batch(
         if row < 0:
             ptr, klen, st = _key_of(k, allow, tp)
             if st != OK:
-                return _err(tb, st, i, 0, PH_BATCH, FLD_REQ_ID)
+                return 0, _err(tb, st, i, 0, PH_BATCH, FLD_REQ_ID)
             if e != 0 and _same_key(e, k, allow, tp):
                 row = erow
             else:
                 row = _row_of_key(ptr, klen, lookup)
             if row < 0:
-                return _err(tb, E_UNKNOWN, i, 0, PH_BATCH, FLD_REQ_ID)
+                return 0, _err(tb, E_UNKNOWN, i, 0, PH_BATCH, FLD_REQ_ID)
         if ld32(a_b, O_STAMP + row) == bstamp:
-            return _err(tb, E_DUPLICATE, i, 0, PH_BATCH, FLD_REQ_ID)
+            return 0, _err(tb, E_DUPLICATE, i, 0, PH_BATCH, FLD_REQ_ID)
         st32(a_b, O_STAMP + row, bstamp)
         st32(a_b, O_RPOS + row, i)
         st32(a_b, O_ROW + i, row)
@@ -302,48 +269,69 @@ def resolve_batch(
     if total != 0:
         t, st = _int_of(total, tp)
         if st != OK or t != sum_tokens:
-            return _err(tb, E_TOTAL, -1, sum_tokens, PH_BATCH, FLD_TOTAL)
-
-    # draft tokens: scheduled_spec_decode_tokens lists the same ids in the same order
-    has_drafts = 0
-    if spec != 0:
-        direct, base, stride, nent = _dict_open(spec, dict_ok)
-        pos = 0
-        c = 0  # the position the next entry is predicted at
-        j = 0
-        while True:
-            found, pos, k, val = _dict_item(spec, direct, base, stride, nent, pos)
-            if found == 0:
-                break
-            has_drafts = 1
-            t = load_i64(val + OFF_TYPE)
-            if t != tp[0] and t != tp[1]:
-                return _err(tb, E_NOT_CANONICAL, j, 0, PH_SPEC, FLD_DRAFTS)
-            cnt = load_i64(val + OFF_SIZE)
-            p = -1
-            if c < n and ld64(a_bo, O_KEYS + c) == k:
-                p = c
-            else:
-                ptr, klen, st = _key_of(k, allow, tp)
-                if st != OK:
-                    return _err(tb, st, j, 0, PH_SPEC, FLD_REQ_ID)
-                if c < n and _same_key(ld64(a_bo, O_KEYS + c), k, allow, tp):
-                    p = c
-                else:
-                    row = _row_of_key(ptr, klen, lookup)
-                    if row >= 0 and ld32(a_b, O_STAMP + row) == bstamp:
-                        p = ld32(a_b, O_RPOS + row)
-            # an entry for an id that is not scheduled is ignored, as vLLM does
-            if p >= 0:
-                st32(a_b, O_DR + p, min(cnt, INT32_MAX))
-                c = p + 1
-            j += 1
-    tb[TB_B_HAS_DRAFTS] = has_drafts
+            return 0, _err(tb, E_TOTAL, -1, sum_tokens, PH_BATCH, FLD_TOTAL)
     tb[TB_B_NUM_TOKENS] = sum_tokens
     tb[TB_B_NEXT_N] = n
+    return n, OK
 
-    # the order of sort_batch_req_ids: key (no drafts, tokens != dql, tokens),
-    # stable; classes 0 and 2 hold one token count (dql) and keep dict order
+
+@jit
+def _draft_counts(tb, tp, allow, dict_ok, R, spec, n, lookup):
+    """Phase 2: each entry of scheduled_spec_decode_tokens (the same ids in
+    the same order, usually) gives its id's draft count; an id that is not
+    scheduled is ignored, as vLLM does."""
+    a_b = tb[TB_BATCH]
+    a_bo = tb[TB_BATCH_OBJ]
+    bstamp = tb[TB_B_STAMP]
+    O_DR = B_POS_DRAFTS * R
+    O_STAMP = B_ROW_STAMP * R
+    O_RPOS = B_ROW_POS * R
+    O_KEYS = BO_KEYS * R
+    has_drafts = 0
+    direct, base, stride, nent = _dict_open(spec, dict_ok)
+    pos = 0
+    c = 0  # the position the next entry is predicted at
+    j = 0
+    while True:
+        found, pos, k, val = _dict_item(spec, direct, base, stride, nent, pos)
+        if found == 0:
+            break
+        has_drafts = 1
+        t = load_i64(val + OFF_TYPE)
+        if t != tp[0] and t != tp[1]:
+            return _err(tb, E_NOT_CANONICAL, j, 0, PH_SPEC, FLD_DRAFTS)
+        cnt = load_i64(val + OFF_SIZE)
+        p = -1
+        if c < n and ld64(a_bo, O_KEYS + c) == k:
+            p = c
+        else:
+            ptr, klen, st = _key_of(k, allow, tp)
+            if st != OK:
+                return _err(tb, st, j, 0, PH_SPEC, FLD_REQ_ID)
+            if c < n and _same_key(ld64(a_bo, O_KEYS + c), k, allow, tp):
+                p = c
+            else:
+                row = _row_of_key(ptr, klen, lookup)
+                if row >= 0 and ld32(a_b, O_STAMP + row) == bstamp:
+                    p = ld32(a_b, O_RPOS + row)
+        # an entry for an id that is not scheduled is ignored, as vLLM does
+        if p >= 0:
+            st32(a_b, O_DR + p, min(cnt, INT32_MAX))
+            c = p + 1
+        j += 1
+    tb[TB_B_HAS_DRAFTS] = has_drafts
+    return OK
+
+
+@jit(signature="void(int64[::1], int64, int64)")
+def _batch_order(tb, R, n):
+    """Phase 3: the batch order (``B_PERM``) of sort_batch_req_ids: key (no
+    drafts, tokens != dql, tokens), stable; classes 0 and 2 hold one token
+    count (dql) and keep dict order."""
+    a_b = tb[TB_BATCH]
+    dql = tb[TB_DQL]
+    O_NUM = B_POS_NUM * R
+    O_DR = B_POS_DRAFTS * R
     O_PERM = B_PERM * R
     c0 = 0
     c1 = 0
@@ -359,7 +347,7 @@ def resolve_batch(
     if c0 == n or c2 == n:
         for i in range(n):
             st32(a_b, O_PERM + i, i)
-        return OK
+        return
     sort = tb[TB_BATCH_OBJ] + 8 * BO_SORT * R
     start1 = c0
     start2 = c0 + c1
@@ -390,6 +378,39 @@ def resolve_batch(
         st32(a_b, O_PERM + p, np.int32(ld64(sort, p) & 0xFFFFFFFF))
     for p in range(start3, n):
         st32(a_b, O_PERM + p, np.int32(ld64(sort, p) & 0xFFFFFFFF))
+
+
+@jit(
+    signature=f"int64(int64[::1], int64[::1], {_TP}, int64, int64, int64, int64, int64, int64, int64[::1], "
+    f"{_NEW_KEYS}, int64, int64, int64)"
+)
+def resolve_batch(ix, tb, tp, nst, spec, total, i_cid, nc, a_rows_c, new_desc, nk, a_rows_n, stamp, nfreed):
+    """Pass 1 of the batch: rows, counts and draft counts of every scheduled
+    id, validated, and the batch order (``B_PERM``). Writes only the batch
+    scratch. ``nst``/``spec``: exact dicts (``spec`` 0 when absent), read
+    only here, once, under the GIL; ``total``: the int object of
+    ``total_num_scheduled_tokens`` or 0. The step's ids: the cached ones
+    (``i_cid``, rows ``a_rows_c``), the new ones (descriptors ``new_desc``,
+    key table ``nk``, rows ``a_rows_n``); ``stamp``/``nfreed``: this step's
+    marks of freed rows. Returns a status."""
+    slots, row_hash, keys, key_len = _ix_arrays(ix)
+    mask, kw, seed, hmask, allow = _ix_params(ix)
+    new_ptr, new_len, new_hash, new_tab, ntab_mask = nk
+    R = tb[TB_R]
+    nn = len(new_ptr)
+    lookup = (slots, mask, keys, kw, seed, hmask, new_tab, ntab_mask, new_hash, new_ptr, new_len, nn, a_rows_n,
+              tb[TB_SCR], R, stamp, nfreed)  # fmt: skip
+    dict_ok = ix[IX_DICT_OK]
+    n, st = _scheduled_rows(tb, tp, allow, dict_ok, R, nst, total, i_cid, nc, a_rows_c, new_desc, nn, a_rows_n, lookup)
+    if st != OK:
+        return st
+    if spec != 0:
+        st = _draft_counts(tb, tp, allow, dict_ok, R, spec, n, lookup)
+        if st != OK:
+            return st
+    else:
+        tb[TB_B_HAS_DRAFTS] = 0
+    _batch_order(tb, R, n)
     return OK
 
 

@@ -233,7 +233,7 @@ def _raw_equal(p1, n1, p2, n2):
     return True
 
 
-@jit(inline="always")
+@jit(signature="Tuple((int64, int64, boolean))(int64, UniTuple(int64, 10))")
 def _seq(obj, tp):
     """(item pointer array, length, ok) of an exact list or tuple."""
     t = load_i64(obj + OFF_TYPE)

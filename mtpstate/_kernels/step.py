@@ -600,37 +600,9 @@ def _update_only(ixc, tbc, cid, cnct_kind, cnct, cnct_n, cblk, nst, spec, total)
     if nst != 0:
         steady = steady_batch(tb, tp, ix[IX_DICT_OK], R, nst, spec, total, i_cid, nc, a_res, a_state)
     if nst != 0 and not steady:
-        empty_i64 = np.empty(0, np.int64)  # (no new ids in this step)
-        empty_u64 = np.empty(0, np.uint64)
+        # (no new ids in this step)
         st = resolve_batch(
-            tb,
-            tp,
-            allow,
-            ix[IX_DICT_OK],
-            R,
-            nst,
-            spec,
-            total,
-            i_cid,
-            nc,
-            a_res,
-            empty_i64,
-            0,
-            a_res,
-            slots,
-            mask,
-            keys,
-            kw,
-            seed,
-            hmask,
-            empty_i64,
-            0,
-            empty_u64,
-            empty_i64,
-            empty_i64,
-            a_scr,
-            stamp,
-            0,
+            ix, tb, tp, nst, spec, total, i_cid, nc, a_res, np.empty(0, np.int64), _new_keys(0), a_res, 0, 0
         )
         if st != OK:
             _undo_update(a_state, a_scr, a_prev_row if sync else a_prev_row_next, R, nc)
@@ -1122,40 +1094,11 @@ def _general(ixc, tbc, fin, pre, new_desc, new_reqs, cid, cnct_kind, cnct, cnct_
     if tb[TB_STG_ON] != 0 and sc[SC_NSTAGE] > tb[TB_STG_CAP]:
         return _err(tb, E_STAGE_FULL, -1, sc[SC_NSTAGE], 0, FLD_NONE)
     if nst != 0:
-        slots, row_hash, keys, key_len = _ix_arrays(ix)
-        mask, kw, seed, hmask, allow = _ix_params(ix)
-        new_ptr, new_len, new_hash, new_tab, ntab_mask = nk
         a_scr = tb[TB_SCR]
         st = resolve_batch(
-            tb,
-            tp,
-            allow,
-            ix[IX_DICT_OK],
-            R,
-            nst,
-            spec,
-            total,
-            i_cid,
-            sc[SC_NC],
-            a_scr + 4 * S_ROWS * R,
-            nd,
-            nn,
-            a_scr + 4 * S_NEWROW * R,
-            slots,
-            mask,
-            keys,
-            kw,
-            seed,
-            hmask,
-            new_tab,
-            ntab_mask,
-            new_hash,
-            new_ptr,
-            new_len,
-            a_scr,
-            sc[SC_STAMP],
-            sc[SC_NFREED],
-        )
+            ix, tb, tp, nst, spec, total, i_cid, sc[SC_NC], a_scr + 4 * S_ROWS * R, nd, nk,
+            a_scr + 4 * S_NEWROW * R, sc[SC_STAMP], sc[SC_NFREED],
+        )  # fmt: skip
         if st != OK:
             return st
     # the arena grows (in Python) only for a step that is valid otherwise

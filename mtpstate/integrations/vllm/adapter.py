@@ -20,6 +20,7 @@ the runner; ``docs/vllm.md`` maps every field.
 from __future__ import annotations
 
 import logging
+import operator
 
 import numpy as np
 
@@ -64,6 +65,9 @@ def ring_depth_of(runner) -> int:
     scheduling)."""
     n = getattr(getattr(runner, "vllm_config", None), "max_concurrent_batches", 2)
     return max(2, n if isinstance(n, int) else 2)
+
+
+_REQ_ID = operator.attrgetter("req_id")
 
 
 class _Step:
@@ -225,11 +229,16 @@ class ModelRunnerV2State:
             return
         index = self.runner.req_states.req_id_to_index
         gone = set(fin)
-        gone.update(pre or ())
-        gone.update(r.req_id for r in new if r.req_id in index)
+        if pre:
+            gone.update(pre)
+        if new:
+            # new ids already live (a streaming-input update): removed first;
+            # the intersection runs in C, one lookup per new request
+            gone.update(index.keys() & map(_REQ_ID, new))
         self._freeing = sorted(gone)
+        remove = self.runner._remove_request
         for req_id in self._freeing:
-            self.runner._remove_request(req_id)
+            remove(req_id)
 
     def apply(self, scheduler_output) -> StepResult:
         """``add_requests`` + ``update_requests``: apply the step (finish, add,
@@ -247,10 +256,11 @@ class ModelRunnerV2State:
         if new:
             rs = self.runner.req_states
             rows = res.new_rows
-            index, ids = rs.req_id_to_index, rs.index_to_req_id
-            for r, row in zip(new, rows.tolist()):
-                index[r.req_id] = row
-                ids[row] = r.req_id
+            # vLLM's id <-> row dicts, updated by C loops (no Python frame per request)
+            req_ids = list(map(_REQ_ID, new))
+            row_list = rows.tolist()
+            rs.req_id_to_index.update(zip(req_ids, row_list))
+            rs.index_to_req_id.update(zip(row_list, req_ids))
             if rs.num_speculative_steps > 0:
                 # the new rows' draft tokens zeroed in one op (vLLM: one
                 # draft_tokens[row].zero_() per new request)
