@@ -8,7 +8,9 @@ by this script from:
   on mtpstate's own workloads);
 - ``docs/bench-vllm.json`` and ``docs/bench-vllm-runner.json``: ``make
   bench-vllm`` (the whole bookkeeping and the runner's host step, on vLLM
-  0.34.0's real scheduler output).
+  0.34.0's real scheduler output);
+- ``docs/bench-before-after.json``: ``integrations/vllm/before_after.py``
+  (the last performance change, paired, on the same recorded vLLM steps).
 
 Usage:
   python benchmarks/report.py --write     # rewrite the regions in the docs
@@ -207,12 +209,33 @@ def headline() -> str:
     return "\n".join(out)
 
 
+def before_after() -> str:
+    """The last performance change: old vs new tree, paired per step."""
+    with open(os.path.join(DOCS, "bench-before-after.json")) as f:
+        d = json.load(f)
+    lines = [
+        machine_line(d["machine"]),
+        "",
+        f"Before: {d['old']}; after: {d['new']}.",
+        "",
+        "| workload | before, us | after, us | after vs before (paired median, p10-p90) | steps |",
+        "|---|---:|---:|---:|---:|",
+    ]
+    for r in d["results"]:
+        lines.append(
+            f"| {r['workload']} | {r['old_median_us']:.1f} | {r['new_median_us']:.1f} | "
+            f"**{_x(r['paired_median'])}** ({r['paired_p10']:.2f}-{r['paired_p90']:.2f}) | {r['steps']} |"
+        )
+    return "\n".join(lines)
+
+
 REGIONS = {
     "headline": headline,
     "kernel": kernel_tables,
     "bookkeeping": bookkeeping_table,
     "runner-summary": runner_summary,
     "runner": runner_table,
+    "before-after": before_after,
 }
 
 

@@ -14,7 +14,7 @@ from mtpstate.errors import (
 from mtpstate.index import RequestIndex
 from mtpstate.table import RequestTable, StepResult
 
-__version__ = "0.2.0"
+__version__ = "0.3.0"
 
 
 def warmup() -> float:

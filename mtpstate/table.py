@@ -1,8 +1,10 @@
 """RequestTable: apply a whole scheduler step in one batched call.
 
 Data flow: scheduler output (Python objects, duck-typed like vLLM's
-``SchedulerOutput``) -> ``apply`` gathers the few per-new-request attributes
--> ``_kernels.step.tb_apply`` validates the whole step and applies it to the
+``SchedulerOutput``) -> ``apply`` binds the step (the addresses of the
+scheduler's own lists and dicts; new requests are read by the kernel, or by
+``_read_new_request`` for shapes it does not read) ->
+``_kernels.step.tb_apply`` validates the whole step and applies it to the
 host arrays (and appends the changes to the mirror's staging buffers) ->
 ``mirror.DeviceMirror`` ships them to device tensors.
 """

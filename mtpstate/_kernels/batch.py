@@ -59,7 +59,6 @@ from mtpstate._kernels.native import (
     OFF_ITEMS,
     OFF_SIZE,
     OFF_TYPE,
-    PREFETCH_AHEAD,
     dict_next,
     err_clear,
     incref,
@@ -70,7 +69,6 @@ from mtpstate._kernels.native import (
     list_set_item,
     load_i64,
     load_u8,
-    prefetch_read,
     st8,
     st32,
     st64,
@@ -536,8 +534,6 @@ def steady_batch(tb, tp, dict_ok, R, nst, spec, total, i_cid, nc, a_res, a_state
             return False
         d = 0
         if ns != 0:
-            if spos + PREFETCH_AHEAD < snent:  # the draft list read PREFETCH_AHEAD items from now
-                prefetch_read(load_i64(sbase + sstride * (spos + PREFETCH_AHEAD + 1) - 8))
             found, spos, k2, val2 = _dict_item(spec, 1, sbase, sstride, snent, spos)
             if found == 0 or k2 != k:
                 return False

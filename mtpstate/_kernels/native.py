@@ -733,55 +733,34 @@ fmix = _pick(_py_fmix, _make_fmix)
 
 
 # ----------------------------------------------------------------------------
-# software prefetch: block-table rows are one 4 KiB page apart, so each append
-# is a cache and TLB miss; pass 1 prefetches the lines pass 2 will write
+# software prefetch: block-table rows are one 4 KiB page apart, so each
+# append is a cache and TLB miss; pass 1 prefetches the lines pass 2 will write
 
 
 def _py_prefetch(addr):
     return None
 
 
-@intrinsic
-def _prefetch(typingctx, addr):
-    sig = types.void(types.int64)
+def _make_prefetch(for_write: int):
+    @intrinsic
+    def _prefetch(typingctx, addr):
+        sig = types.void(types.int64)
 
-    def codegen(context, builder, signature, args):
-        i8p = ir.IntType(8).as_pointer()
-        i32 = ir.IntType(32)
-        fnty = ir.FunctionType(ir.VoidType(), [i8p, i32, i32, i32])
-        fn = cgutils.get_or_insert_function(builder.module, fnty, "llvm.prefetch.p0i8")
-        builder.call(fn, [builder.inttoptr(args[0], i8p), i32(1), i32(3), i32(1)])
-        return context.get_dummy_value()
+        def codegen(context, builder, signature, args):
+            i8p = ir.IntType(8).as_pointer()
+            i32 = ir.IntType(32)
+            fnty = ir.FunctionType(ir.VoidType(), [i8p, i32, i32, i32])
+            fn = cgutils.get_or_insert_function(builder.module, fnty, "llvm.prefetch.p0i8")
+            # (address, read 0 / write 1, locality 3: keep in all levels, data cache)
+            builder.call(fn, [builder.inttoptr(args[0], i8p), i32(for_write), i32(3), i32(1)])
+            return context.get_dummy_value()
 
-    return sig, codegen
+        return sig, codegen
 
-
-prefetch = _pick(_py_prefetch, lambda: _prefetch)
-
-
-# the objects of a step (ids, counts, draft lists) are fresh from the
-# scheduler's pickle and scattered over memory: at N = 4096 each first touch
-# is a miss to DRAM. A per-request loop prefetches the objects it will read
-# PREFETCH_AHEAD items later, so the misses overlap instead of queueing.
-PREFETCH_AHEAD = 12
+    return _prefetch
 
 
-@intrinsic
-def _prefetch_read(typingctx, addr):
-    sig = types.void(types.int64)
-
-    def codegen(context, builder, signature, args):
-        i8p = ir.IntType(8).as_pointer()
-        i32 = ir.IntType(32)
-        fnty = ir.FunctionType(ir.VoidType(), [i8p, i32, i32, i32])
-        fn = cgutils.get_or_insert_function(builder.module, fnty, "llvm.prefetch.p0i8")
-        builder.call(fn, [builder.inttoptr(args[0], i8p), i32(0), i32(3), i32(1)])
-        return context.get_dummy_value()
-
-    return sig, codegen
-
-
-prefetch_read = _pick(_py_prefetch, lambda: _prefetch_read)
+prefetch = _pick(_py_prefetch, lambda: _make_prefetch(1))
 
 
 # ----------------------------------------------------------------------------

@@ -57,7 +57,6 @@ from mtpstate._kernels.index import (
     PH_NEW,
     PH_PREEMPT,
     PH_RESUMED,
-    V_OBJ,
     _arena_short,
     _hash_key,
     _int_of,
@@ -82,7 +81,6 @@ from mtpstate._kernels.index import (
 from mtpstate._kernels.native import (
     OFF_ITEMS,
     OFF_TYPE,
-    PREFETCH_AHEAD,
     decref,
     incref,
     jit,
@@ -90,7 +88,6 @@ from mtpstate._kernels.native import (
     ld64,
     load_i64,
     prefetch,
-    prefetch_read,
     st32,
     st64,
     view_i32,
@@ -280,18 +277,6 @@ def _predict_miss(obj, j, prev_n, a_prev_row, a_rpp, slots, mask, keys, kw, seed
         if 0 <= pp < prev_n and ld32(a_prev_row, pp) == row:
             j = pp + 1
     return row, j, OK, h, ptr, klen
-
-
-@jit(signature="void(int64, int64, int64, int64, int64)")
-def _prefetch_cached(i_cid, vk, vb, i, nc):
-    """Prefetch what the update reads of cached request i (its id's header
-    and bytes, its num_computed_tokens int), if there is one."""
-    if i < nc:
-        obj = _item(i_cid, i)
-        prefetch_read(obj)
-        prefetch_read(obj + 64)
-        if vk == V_OBJ:
-            prefetch_read(_item(vb, i))
 
 
 @jit
@@ -507,7 +492,6 @@ def _update_only(ixc, tbc, cid, cnct_kind, cnct, cnct_n, cblk, nst, spec, total)
     # copies the positions so far into the next buffer and leaves sync.
     sync = True
     for i in range(nc):
-        _prefetch_cached(i_cid, vk, vb, i + PREFETCH_AHEAD, nc)
         obj = _item(i_cid, i)
         row = -1
         if sync:
@@ -643,32 +627,6 @@ def _update_only(ixc, tbc, cid, cnct_kind, cnct, cnct_n, cblk, nst, spec, total)
     return OK
 
 
-@jit(
-    signature="UniTuple(int64, 2)(int64, int64, int64[::1], UniTuple(int64, 10), int64[::1], int64, uint64[::1], "
-    "int64, int64, int64, int64, int32[::1], int64, int64, int64, int64, int64)"
-)
-def _free_ids(
-    seq, phase, tb, tp, slots, mask, keys, kw, seed, hmask, allow, scr, O_FREE, O_RED, O_FREED, stamp, nfreed
-):
-    """Pass 1 of finish: mark the live rows of ``seq``'s ids freed (unknown
-    ids are ignored). Returns (freed count, status)."""
-    items, n, ok = _seq(seq, tp)
-    if not ok:
-        return nfreed, _err(tb, E_NOT_CANONICAL, -1, 0, phase, FLD_REQ_ID)
-    for i in range(n):
-        ptr, klen, st = _key_of(_item(items, i), allow, tp)
-        if st != OK:
-            return nfreed, _err(tb, st, i, 0, phase, FLD_REQ_ID)
-        h = _hash_key(ptr, klen, seed, hmask)
-        r = _probe(slots, mask, keys, kw, h, ptr, klen)
-        if r >= 0 and scr[O_FREE + r] != stamp:
-            scr[O_FREE + r] = stamp
-            scr[O_RED + r] = -1
-            scr[O_FREED + nfreed] = r
-            nfreed += 1
-    return nfreed, OK
-
-
 # ---------------------------------------------------------------------------
 # the general step, phase by phase: the new requests' descriptors (read
 # first: reading them may run Python code), then pass 1 (read and validate
@@ -695,25 +653,32 @@ def _new_descriptors(tb, tp, new_desc, new_reqs, array_ok, R):
     return nd, nn, descriptors_from_list(tb, tp, new_desc, nd, nn)
 
 
-@jit
-def _check_freed(ix, tb, tp, sc, fin, pre):
-    """Pass 1 of finish: finished_req_ids | preempted_req_ids; unknown ids
-    are ignored."""
+@jit(signature="int64(int64, int64, int64[::1], int64[::1], UniTuple(int64, 10), int64[::1])")
+def _check_freed(seq, phase, ix, tb, tp, sc):
+    """Pass 1 of finish, for finished_req_ids or preempted_req_ids
+    (``phase``): mark the live rows of ``seq``'s ids freed (unknown ids are
+    ignored); the count goes to ``sc[SC_NFREED]``."""
     slots, row_hash, keys, key_len = _ix_arrays(ix)
     mask, kw, seed, hmask, allow = _ix_params(ix)
     R = tb[TB_R]
     scr = view_i32(tb[TB_SCR], (S_NB0 + tb[TB_NG]) * R)
     stamp = sc[SC_STAMP]
-    nfreed = 0
-    args = (tb, tp, slots, mask, keys, kw, seed, hmask, allow, scr, S_FREE * R, S_REDIRECT * R, S_FREED * R, stamp)
-    if fin != 0:
-        nfreed, st = _free_ids(fin, PH_FINISH, *args, nfreed)
+    O_FREE, O_RED, O_FREED = S_FREE * R, S_REDIRECT * R, S_FREED * R
+    nfreed = sc[SC_NFREED]
+    items, n, ok = _seq(seq, tp)
+    if not ok:
+        return _err(tb, E_NOT_CANONICAL, -1, 0, phase, FLD_REQ_ID)
+    for i in range(n):
+        ptr, klen, st = _key_of(_item(items, i), allow, tp)
         if st != OK:
-            return st
-    if pre != 0:
-        nfreed, st = _free_ids(pre, PH_PREEMPT, *args, nfreed)
-        if st != OK:
-            return st
+            return _err(tb, st, i, 0, phase, FLD_REQ_ID)
+        h = _hash_key(ptr, klen, seed, hmask)
+        r = _probe(slots, mask, keys, kw, h, ptr, klen)
+        if r >= 0 and scr[O_FREE + r] != stamp:
+            scr[O_FREE + r] = stamp
+            scr[O_RED + r] = -1
+            scr[O_FREED + nfreed] = r
+            nfreed += 1
     sc[SC_NFREED] = nfreed
     return OK
 
@@ -876,7 +841,6 @@ def _check_cached(ix, tb, tp, sc, cid, cnct_kind, cnct, cnct_n, cblk, nk, rk, nr
     nmiss = 0
     nstage = 0
     for i in range(nc):
-        _prefetch_cached(i_cid, vk, vb, i + PREFETCH_AHEAD, nc)
         obj = _item(i_cid, i)
         row = ld32(a_prev_row, j) if j < prev_n and ld64(a_prev_obj, j) == obj else -1
         st = OK
@@ -1078,9 +1042,14 @@ def _general(ixc, tbc, fin, pre, new_desc, new_reqs, cid, cnct_kind, cnct, cnct_
     sc[SC_NN] = nn
 
     # ---------------- pass 1: read and validate, write nothing -------------
-    st = _check_freed(ix, tb, tp, sc, fin, pre)
-    if st != OK:
-        return st
+    if fin != 0:
+        st = _check_freed(fin, PH_FINISH, ix, tb, tp, sc)
+        if st != OK:
+            return st
+    if pre != 0:
+        st = _check_freed(pre, PH_PREEMPT, ix, tb, tp, sc)
+        if st != OK:
+            return st
     nk = _new_keys(nn)
     st = _check_new(ix, tb, tp, sc, nd, nk, array_ok)
     if st != OK:

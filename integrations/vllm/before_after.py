@@ -1,0 +1,142 @@
+"""Before and after a change to mtpstate, paired, on vLLM's real steps.
+
+Records each workload's scheduler steps once from vLLM 0.34's scheduler
+(``harness.py``'s timing workloads), then times ``RequestTable.apply`` (with
+the batch) for two source trees of mtpstate, in alternating processes
+(A, B, A, B, ...), on the very same steps. Each step's A/B time ratio pairs
+the two; the figure is the median ratio over all steps and runs, with p10 and
+p90. Between steps each side allocates and frees 8 MiB, so that the step
+does not find all of its data in cache (as in a server, where other work
+runs between steps).
+
+    python integrations/vllm/before_after.py OLD_TREE NEW_TREE \\
+        --workload busy-1024 --workload steady-4096 [--runs 3] [--json out.json]
+
+A tree is a directory holding the ``mtpstate`` package (a git worktree of an
+older commit: ``git worktree add /tmp/old <commit>``). Run with the vLLM
+tier's environment (``make test-vllm`` builds it), as ``make bench-vllm``
+does.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pickle
+import statistics
+import subprocess
+import sys
+import tempfile
+
+import numpy as np
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def record(names: list[str], out_dir: str) -> None:
+    """Each workload's steps (pickled), as harness.py's benchmark records them."""
+    sys.path.insert(0, HERE)
+    import harness
+
+    harness.install_cpu_shims()
+    model_dir = harness.write_model_dir()
+    for name in names:
+        w = harness.BENCH_WORKLOADS[name]
+        blobs, timed, block_sizes = harness._recorded(w, model_dir)
+        rec = dict(blobs=blobs, timed=timed, bs=block_sizes, R=w.max_num_seqs, L=w.max_model_len, dq=1 + w.num_spec)
+        with open(os.path.join(out_dir, f"{name}.pkl"), "wb") as f:
+            pickle.dump(rec, f)
+
+
+def time_tree(tree: str, path: str, repeats: int) -> list[float]:
+    """Per timed step, seconds of ``apply(so).batch`` with the mtpstate of
+    ``tree`` (run in a subprocess: one tree per process)."""
+    code = f"""
+import json, pickle, sys, time
+sys.path.insert(0, {tree!r})
+import mtpstate
+assert mtpstate.__file__.startswith({tree!r}), mtpstate.__file__
+d = pickle.load(open({path!r}, "rb"))
+out = []
+for rep in range({repeats} + 1):
+    t = mtpstate.RequestTable(max_num_reqs=d["R"], max_model_len=d["L"], block_sizes=d["bs"], decode_query_len=d["dq"])
+    for s, keep in zip([pickle.loads(b) for b in d["blobs"]], d["timed"]):
+        junk = bytearray(8 << 20)  # other work between steps
+        del junk
+        t0 = time.perf_counter()
+        t.apply(s).batch.idx_mapping_np
+        dt = time.perf_counter() - t0
+        if keep and rep:  # (the first pass warms up)
+            out.append(dt)
+print(json.dumps(out))
+"""
+    env = dict(os.environ, MTPSTATE_COMPILE_NOTICE="0")
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True)
+    return json.loads(res.stdout.strip().splitlines()[-1])
+
+
+def _describe(tree: str) -> str:
+    """The tree's git commit (short), or its path."""
+    try:
+        out = subprocess.run(["git", "-C", tree, "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
+        dirty = subprocess.run(
+            ["git", "-C", tree, "status", "--porcelain", "--", "mtpstate"], capture_output=True, text=True
+        )
+        if out.returncode == 0:
+            return out.stdout.strip() + (" (with uncommitted changes)" if dirty.stdout.strip() else "")
+    except OSError:
+        pass
+    return tree
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("old")
+    p.add_argument("new")
+    p.add_argument("--workload", action="append", required=True)
+    p.add_argument("--runs", type=int, default=3, help="process pairs per workload (default 3)")
+    p.add_argument("--repeats", type=int, default=3, help="passes over the steps per process (default 3)")
+    p.add_argument("--json", metavar="FILE")
+    args = p.parse_args(argv)
+    old, new = os.path.abspath(args.old), os.path.abspath(args.new)
+    results = []
+    with tempfile.TemporaryDirectory() as tmp:
+        record(args.workload, tmp)
+        for name in args.workload:
+            path = os.path.join(tmp, f"{name}.pkl")
+            time_tree(old, path, 0)  # compile (or load) both trees' kernels first
+            time_tree(new, path, 0)
+            a_all, b_all, ratios = [], [], []
+            for _ in range(args.runs):
+                a = time_tree(old, path, args.repeats)
+                b = time_tree(new, path, args.repeats)
+                a_all += a
+                b_all += b
+                ratios += [x / y for x, y in zip(a, b)]
+            r = {
+                "workload": name,
+                "old_median_us": statistics.median(a_all) * 1e6,
+                "new_median_us": statistics.median(b_all) * 1e6,
+                "paired_median": float(np.median(ratios)),
+                "paired_p10": float(np.percentile(ratios, 10)),
+                "paired_p90": float(np.percentile(ratios, 90)),
+                "steps": len(ratios),
+            }
+            results.append(r)
+            print(json.dumps(r), flush=True)
+    if args.json:
+        from vllm.version import __version__ as vllm_version
+
+        from mtpstate.tools.bench import machine_info
+
+        machine = dict(machine_info(), vllm=vllm_version)
+        machine.pop("mirror_device", None)
+        doc = {"machine": machine, "old": _describe(old), "new": _describe(new), "results": results}
+        with open(args.json, "w") as f:
+            json.dump(doc, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
