@@ -10,7 +10,11 @@ by this script from:
   bench-vllm`` (the whole bookkeeping and the runner's host step, on vLLM
   0.34.0's real scheduler output);
 - ``docs/bench-before-after.json``: ``integrations/vllm/before_after.py``
-  (the last performance change, paired, on the same recorded vLLM steps).
+  (the last performance change, paired, on the same recorded vLLM steps);
+- ``docs/bench-vllm-breakdown.json``: ``harness.py --bench --runner
+  --breakdown`` (the runner's host step with mtpstate on, method by method);
+- ``docs/bench-phases.json``: ``integrations/vllm/phases.py`` (the step
+  kernel's time, phase by phase).
 
 Usage:
   python benchmarks/report.py --write     # rewrite the regions in the docs
@@ -28,7 +32,7 @@ import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DOCS = os.path.join(ROOT, "docs")
-FILES = ("README.md", "docs/benchmarks.md", "docs/vllm.md")
+FILES = ("README.md", "docs/benchmarks.md", "docs/vllm.md", "docs/architecture.md")
 _REGION = re.compile(r"(<!-- report:([\w-]+) -->\n)(.*?)(<!-- /report:\2 -->)", re.S)
 
 
@@ -229,6 +233,35 @@ def before_after() -> str:
     return "\n".join(lines)
 
 
+def breakdown_table() -> str:
+    """The runner's host step with mtpstate on, by method (busy and steady)."""
+    m, res = _load("bench-vllm-breakdown.json")
+    names = [k for k in res[0]["breakdown_us"] if k != "total"]
+    lines = [machine_line(m), "", "| part, us per step (median) | " + " | ".join(r["workload"] for r in res) + " |"]
+    lines.append("|---|" + "---:|" * len(res))
+    for k in [*names, "total"]:
+        label = k.strip() if k != "total" else "**total**"
+        lines.append(f"| {label} | " + " | ".join(f"{r['breakdown_us'][k]:.1f}" for r in res) + " |")
+    return "\n".join(lines)
+
+
+def phases_table() -> str:
+    """The step kernel's time per step, phase by phase."""
+    m, res = _load("bench-phases.json")
+    lines = [machine_line(m), ""]
+    for kind, title in (("general_us", "general step"), ("update_only_us", "update-only step")):
+        rows = [r for r in res if kind in r]
+        if not rows:
+            continue
+        lines.append(f"| {title}, us per step (mean) | " + " | ".join(r["workload"] for r in rows) + " |")
+        lines.append("|---|" + "---:|" * len(rows))
+        for ph in rows[0][kind]:
+            lines.append(f"| {ph} | " + " | ".join(f"{r[kind][ph]:.1f}" for r in rows) + " |")
+        lines.append("| **sum** | " + " | ".join(f"**{sum(r[kind].values()):.1f}**" for r in rows) + " |")
+        lines.append("")
+    return "\n".join(lines).rstrip()
+
+
 REGIONS = {
     "headline": headline,
     "kernel": kernel_tables,
@@ -236,6 +269,8 @@ REGIONS = {
     "runner-summary": runner_summary,
     "runner": runner_table,
     "before-after": before_after,
+    "breakdown": breakdown_table,
+    "phases": phases_table,
 }
 
 
