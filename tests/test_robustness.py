@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -101,6 +102,56 @@ def test_two_threads_on_one_table():
         n = loop.num_blocks[0, row]
         assert t.num_blocks[0, mine] == n
         np.testing.assert_array_equal(t.block_tables[0][mine, :n], loop.block_tables[0][row, :n])
+
+
+class _SleepyNew:
+    """A new request whose every attribute read runs Python and releases the
+    GIL (inside the kernel's read of new requests)."""
+
+    def __init__(self, r):
+        self._r = r
+
+    def __getattr__(self, name):
+        time.sleep(0.0002)  # another thread runs here
+        return getattr(self._r, name)
+
+
+def test_threads_while_the_kernel_reads_new_requests():
+    """One thread's new requests release the GIL in each attribute read,
+    mid-kernel; another thread applies its own steps to the same table
+    meanwhile. The guard makes the second wait: every request's state equals
+    its own oracle's."""
+    cfg = dict(max_model_len=256, block_sizes=(16,))
+    t = RequestTable(max_num_reqs=48, **cfg)
+    errors, oracles = [], []
+
+    def worker(seed, sleepy):
+        sim = Simulator(max_num_reqs=24, **cfg, num_spec=2, accept=0.6, abort_prob=0.1,
+                        prompt_len=(1, 60), output_len=(1, 30), seed=seed)  # fmt: skip
+        loop = LoopRequestTable(max_num_reqs=24, **cfg)
+        oracles.append(loop)
+        try:
+            for so in sim.run(60):
+                if sleepy:
+                    so.scheduled_new_reqs = [_SleepyNew(r) for r in so.scheduled_new_reqs]
+                t.apply(so)
+                loop.apply(so)
+        except Exception as e:  # pragma: no cover - reported below
+            errors.append(e)
+
+    ths = [threading.Thread(target=worker, args=(s, s == 3)) for s in (3, 4)]
+    for th in ths:
+        th.start()
+    for th in ths:
+        th.join()
+    assert not errors, errors
+    assert t.python_path_steps == 0  # (read in place: the wrapper's attributes are the usual types)
+    live = {r: (loop, row) for loop in oracles for r, row in loop.req_id_to_index.items()}
+    assert len(t) == len(live)
+    for r, (loop, row) in live.items():
+        mine = t.rows([r])[0]
+        for name in FIELDS:
+            assert getattr(t, name)[mine] == getattr(loop, name)[row], (r, name)
 
 
 def test_huge_ids_keep_memory_bounded():
