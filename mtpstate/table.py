@@ -1024,12 +1024,15 @@ class RequestTable:
         new = []
         for k, r in enumerate(reqs):
             if k < stop:
-                vals = held[k * S + 1 : k * S + S]
-                sp = vals[T.H_SP - 1]
-                new.append(_new_request_of(held[k * S], *vals[:4], vals[4], None if sp is None else vals[6]))
+                # (req_id .. num_computed_tokens, then max_tokens: None where
+                # sampling_params is None, the kernel did not read it)
+                vals = held[k * S + T.H_REQ_ID : k * S + S]
+                new.append(_new_request_of(held[k * S], *vals[: T.H_SP - 1], vals[T.H_MAX_TOKENS - 1]))
             elif k == stop and failed_slot >= 0:
-                r = held[k * S]
-                new.append(_read_new_request(r, k, held[k * S + 1 : k * S + failed_slot], held[k * S + failed_slot]))
+                base = k * S
+                new.append(
+                    _read_new_request(held[base], k, held[base + 1 : base + failed_slot], held[base + failed_slot])
+                )
             else:
                 new.append(_read_new_request(r, k))
         b.new = new

@@ -126,12 +126,9 @@ def main(argv=None) -> int:
             results.append(r)
             print(json.dumps(r), flush=True)
     if args.json:
-        from vllm.version import __version__ as vllm_version
+        from harness import run_machine
 
-        from mtpstate.tools.bench import machine_info
-
-        machine = dict(machine_info(), vllm=vllm_version)
-        machine.pop("mirror_device", None)
+        machine = run_machine()
         doc = {"machine": machine, "old": _describe(old), "new": _describe(new), "results": results}
         with open(args.json, "w") as f:
             json.dump(doc, f, indent=1)

@@ -1161,6 +1161,17 @@ def _torch_op_counts(w, block_sizes, blobs, timed) -> dict:
     return out
 
 
+def run_machine() -> dict:
+    """The machine and versions of a benchmark run, for its JSON."""
+    from vllm.version import __version__ as vllm_version
+
+    from mtpstate.tools.bench import machine_info
+
+    machine = dict(machine_info(), vllm=vllm_version)
+    machine.pop("mirror_device", None)  # (the mirror's device work is counted, not run: see _no_ship)
+    return machine
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument(
@@ -1221,14 +1232,8 @@ def main(argv=None) -> int:
             failed |= r["disagreements"] > 0
             failed |= not args.runner and w.num_spec > 0 and r["control_disagreements"] == 0
     if args.json:
-        from vllm.version import __version__ as vllm_version
-
-        from mtpstate.tools.bench import machine_info
-
-        machine = dict(machine_info(), vllm=vllm_version)
-        machine.pop("mirror_device", None)  # (the mirror's device work is counted, not run: see _no_ship)
         with open(args.json, "w") as f:
-            json.dump({"machine": machine, "results": results}, f, indent=1)
+            json.dump({"machine": run_machine(), "results": results}, f, indent=1)
     return 1 if failed else 0
 
 

@@ -166,12 +166,9 @@ def main(argv=None) -> int:
             results.append(out)
             print(json.dumps(out), flush=True)
     if args.json:
-        from vllm.version import __version__ as vllm_version
+        from harness import run_machine
 
-        from mtpstate.tools.bench import machine_info
-
-        machine = dict(machine_info(), vllm=vllm_version)
-        machine.pop("mirror_device", None)
+        machine = run_machine()
         with open(args.json, "w") as f:
             json.dump({"machine": machine, "results": results}, f, indent=1)
     return 0

@@ -208,10 +208,7 @@ def read_new_requests(tb, tp, reqs, nd, array_ok):
     list. Nothing of the table is touched."""
     none = tp[5]
     items, nn, ok = _seq(reqs, tp)
-    names = np.empty(H_STRIDE, np.int64)
-    a_names = tb[TB_NEW_NAMES]
-    for h in range(H_STRIDE):
-        names[h] = load_i64(a_names + 8 * h)
+    names = view_i64(tb[TB_NEW_NAMES], H_STRIDE)  # array.array, then the attribute names
     array_type = names[H_REQ]
     holder = list_new(nn * H_STRIDE)
     if holder == 0:  # no memory: let the Python reader fail the same way
