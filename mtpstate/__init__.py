@@ -8,6 +8,7 @@ from mtpstate.errors import (
     CapacityError,
     DuplicateRequestError,
     InvalidStepError,
+    MirrorFaultError,
     StateError,
     UnknownRequestError,
 )
@@ -50,6 +51,7 @@ __all__ = [
     "CapacityError",
     "DuplicateRequestError",
     "InvalidStepError",
+    "MirrorFaultError",
     "RequestIndex",
     "RequestTable",
     "StateError",

@@ -1,26 +1,33 @@
 """The device operations the mirror issues, behind one small interface.
 
-The mirror's per-step device work is five kinds of operation: allocate
-(pinned host staging, device buffers), copy host -> device (non-blocking),
-scatter (``index_copy_``), record an event / wait on it from the host, and
-order one stream after another. Three implementations:
+The mirror's per-step device work is one *replay* of a captured graph (the
+step's copies and scatters) on the consumer's stream, then one *event
+record* that guards the staging slot the replay reads. Around it: allocation
+(pinned host staging, device buffers), a host wait on an event, a cheap
+identity of the current stream (to notice that the consumer moved to another
+stream), and, on the eager path, the copies and scatters themselves. Three
+implementations:
 
-- :class:`CudaOps`: torch on a CUDA device (the real thing);
+- :class:`CudaOps`: torch on a CUDA device (CUDA graphs, events made once);
 - :class:`ImmediateOps`: torch on the CPU, every operation run by the host
-  when issued (no streams, no events);
-- :class:`DeferredOps`: a model of a GPU's asynchrony for tests. Copies and
-  scatters are queued on a stream and run later, in stream order, reading
-  their source when they run, not when issued; an event completes only when
-  the work queued before it has run; a stream wait holds the waiting
-  stream's later work until the other stream has reached the point of the
-  wait; of several writes of a scatter to one element, the first wins (on a
-  GPU which one wins is undefined). Tests can hold a stream back and run the queued work in any legal
-  order, which is how CI checks the ordering that only a GPU would
-  otherwise exercise.
+  when issued (no graphs, no streams, no events);
+- :class:`DeferredOps`: a model of a GPU's asynchrony for tests. Copies,
+  scatters and replays are queued on a stream and run later, in stream
+  order, reading their source when they run, not when issued (a replay runs
+  the captured work then, reading the pinned slot as it is at that moment);
+  an event completes only when the work queued before its record has run; a
+  stream wait holds the waiting stream's later work until the other stream
+  has reached the point of the wait; of several writes of a scatter to one
+  element, the first wins (on a GPU which one wins is undefined). Tests can
+  hold a stream back, run the queued work in any legal order, count every
+  operation issued (``issued``), and make the k-th operation fail
+  (``fail_at``), which is how CI checks the ordering and the fault handling
+  that only a GPU would otherwise exercise.
 """
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import random
 
@@ -28,11 +35,14 @@ __all__ = ["CudaOps", "DeferredOps", "DeviceOps", "ImmediateOps", "ops_for"]
 
 
 class DeviceOps:
-    """What the mirror needs from a device. ``asynchronous``: device work may
-    still be pending when the host goes on (so host writes into memory the
-    device reads are a hazard)."""
+    """What the mirror needs from a device.
+
+    ``asynchronous``: device work may still be pending when the host goes on
+    (host writes into memory the device reads are then a hazard).
+    ``graphs``: work can be captured once and replayed (:meth:`capture`)."""
 
     asynchronous = False
+    graphs = False
 
     def __init__(self, torch, device):
         self.torch = torch
@@ -46,24 +56,25 @@ class DeviceOps:
         return self.torch.empty(n, dtype=dtype, device=self.device)
 
     # streams and events
-    def new_stream(self):
-        return None
+    def stream_key(self):
+        """A cheap identity of the current stream of the mirror's device."""
+        return 0
 
     def current_stream(self):
         return None
-
-    def on_stream(self, stream):
-        return contextlib.nullcontext()
 
     def wait_stream(self, waiter, waitee) -> None:
         """``waiter``'s work issued from now on runs after the work queued
         on ``waitee`` so far."""
 
-    def record_event(self, stream):
+    def new_event(self):
         return None
 
+    def record(self, event, stream) -> None:
+        """Record ``event`` (made once by :meth:`new_event`) on ``stream``."""
+
     def host_wait(self, event) -> None:
-        """Block the host until ``event`` has completed."""
+        """Block the host until ``event``'s last record has completed."""
 
     def synchronize(self) -> None:
         """Block the host until every queued operation has run."""
@@ -75,42 +86,96 @@ class DeviceOps:
     def scatter(self, target, positions, values) -> None:
         target.index_copy_(0, positions, values)
 
+    def fill_rows(self, target, rows, value) -> None:
+        target.index_fill_(0, rows, value)
+
+    # graphs
+    def capturing(self) -> bool:
+        """Whether the current stream is being captured (an engine's own
+        graph capture): no capture of ours may start then."""
+        return False
+
+    def capture(self, work, pool=None):
+        """Capture ``work()`` (device operations on tensors that outlive the
+        graph) once; returns the graph, replayed by :meth:`replay`."""
+        raise NotImplementedError
+
+    def replay(self, graph) -> None:
+        """Queue the captured work on the current stream."""
+        raise NotImplementedError
+
 
 class ImmediateOps(DeviceOps):
     """torch on the CPU: the host runs every operation as it is issued."""
 
 
 class CudaOps(DeviceOps):
-    """torch on a CUDA device: pinned staging, streams, events."""
+    """torch on a CUDA device: pinned staging, CUDA graphs, events made once."""
 
     asynchronous = True
+    graphs = True
+
+    def __init__(self, torch, device):
+        super().__init__(torch, device)
+        if self.device.index is None:
+            self.device = torch.device("cuda", torch.cuda.current_device())
+        self._index = self.device.index
+        # (a private torch binding: the raw handle of the current stream, no
+        # Stream object made; where it is missing, the public lookup)
+        raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+        self._raw = raw if raw is not None else (lambda i: torch.cuda.current_stream(i).cuda_stream)
+        self._capture_stream = None
 
     def pinned_empty(self, n, dtype):
         return self.torch.empty(n, dtype=dtype, pin_memory=True)
 
-    def new_stream(self):
-        return self.torch.cuda.Stream(device=self.device)
+    def stream_key(self):
+        return self._raw(self._index)
 
     def current_stream(self):
         # the mirror's device, which need not be the current device
         return self.torch.cuda.current_stream(self.device)
 
-    def on_stream(self, stream):
-        return self.torch.cuda.stream(stream)
-
     def wait_stream(self, waiter, waitee):
         waiter.wait_stream(waitee)
 
-    def record_event(self, stream):
-        ev = self.torch.cuda.Event()
-        ev.record(stream)
-        return ev
+    def new_event(self):
+        return self.torch.cuda.Event()
+
+    def record(self, event, stream):
+        event.record(stream)
 
     def host_wait(self, event):
         event.synchronize()
 
     def synchronize(self):
         self.torch.cuda.synchronize(self.device)
+
+    def capturing(self):
+        with self.torch.cuda.device(self.device):
+            return self.torch.cuda.is_current_stream_capturing()
+
+    def capture(self, work, pool=None):
+        torch = self.torch
+        with torch.cuda.device(self.device):
+            if self._capture_stream is None:
+                self._capture_stream = torch.cuda.Stream(self.device)
+            s = self._capture_stream
+            s.wait_stream(torch.cuda.current_stream(self.device))
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.stream(s):
+                # thread_local: an engine's other threads may use CUDA meanwhile
+                g.capture_begin(pool=pool, capture_error_mode="thread_local")
+                try:
+                    work()
+                finally:
+                    g.capture_end()
+            torch.cuda.current_stream(self.device).wait_stream(s)
+        return g
+
+    def replay(self, graph):
+        # on the current stream of the graph's device
+        graph.replay()
 
 
 def ops_for(torch, device) -> DeviceOps:
@@ -135,13 +200,27 @@ class _Stream:
 
 
 class _Event:
-    def __init__(self, stream: _Stream):
+    """Made once, recorded many times: complete once its stream has run
+    what was queued before the last record (never recorded: complete)."""
+
+    def __init__(self, stream: _Stream | None = None):
         self.stream = stream
-        self.at = stream.issued  # complete once the stream has run this many
+        self.at = 0 if stream is None else stream.issued
 
     @property
     def done(self) -> bool:
-        return self.stream.ran >= self.at
+        return self.stream is None or self.stream.ran >= self.at
+
+
+class _Graph:
+    """Captured work: the function, run later when a replay reaches it."""
+
+    def __init__(self, work):
+        self.work = work
+
+
+class InjectedFault(RuntimeError):
+    """The failure :class:`DeferredOps` raises at its ``fail_at``-th operation."""
 
 
 class DeferredOps(DeviceOps):
@@ -155,22 +234,38 @@ class DeferredOps(DeviceOps):
     seed
         Seeds the order in which :meth:`run_some` picks among the streams
         that can run.
+    graphs
+        Whether capture and replay are offered (False: the mirror's eager
+        path).
     """
 
     asynchronous = True
 
-    def __init__(self, torch, seed: int = 0):
+    def __init__(self, torch, seed: int = 0, graphs: bool = True):
         super().__init__(torch, "cpu")
+        self.graphs = graphs
         self.default = _Stream("default")  # the consumer's (model's) stream
         self.streams = [self.default]
         self._current = self.default
         self.rng = random.Random(seed)
         self.ops_run = 0
+        self.issued = collections.Counter()  # operations issued, by kind
+        self.fail_at = None  # the issued operation (counting all kinds from 0) that raises ...
+        self.fault = InjectedFault  # ... this
+
+    def _issue(self, kind: str) -> None:
+        k = sum(self.issued.values())
+        self.issued[kind] += 1
+        if self.fail_at is not None and k == self.fail_at:
+            raise self.fault(f"injected fault at device operation {k} ({kind})")
 
     def new_stream(self):
         s = _Stream(f"side{len(self.streams)}")
         self.streams.append(s)
         return s
+
+    def stream_key(self):
+        return id(self._current)
 
     def current_stream(self):
         return self._current
@@ -189,22 +284,41 @@ class DeferredOps(DeviceOps):
 
     def enqueue(self, fn, stream=None) -> None:
         """Queue ``fn()`` (e.g. a test's stand-in for a kernel that reads a
-        tensor) on ``stream`` (default: the current one)."""
+        tensor) on ``stream`` (default: the current one); not counted."""
         self._enqueue(stream or self._current, "run", fn)
 
     def wait_stream(self, waiter, waitee):
+        self._issue("wait")
         self._enqueue(waiter, "wait", _Event(waitee))
 
-    def record_event(self, stream):
-        return _Event(stream)
+    def new_event(self):
+        return _Event()
+
+    def record(self, event, stream):
+        self._issue("record")
+        event.stream, event.at = stream, stream.issued
 
     def copy(self, dst, src):
+        self._issue("copy")
         self._enqueue(self._current, "run", lambda: dst.copy_(src))  # reads src when it runs
 
     def scatter(self, target, positions, values):
+        self._issue("scatter")
         # which of several writes to one position wins is undefined on a GPU:
         # here the first, the opposite of a sequential loop
         self._enqueue(self._current, "run", lambda: target.index_copy_(0, positions.flip(0), values.flip(0)))
+
+    def fill_rows(self, target, rows, value):
+        self._issue("fill")
+        self._enqueue(self._current, "run", lambda: target.index_fill_(0, rows, value))
+
+    def capture(self, work, pool=None):
+        self._issue("capture")
+        return _Graph(work)
+
+    def replay(self, graph):
+        self._issue("replay")
+        self._enqueue(self._current, "run", graph.work)  # reads the pinned slot when it runs
 
     # -- running the queued work ---------------------------------------------
 
@@ -232,7 +346,8 @@ class DeferredOps(DeviceOps):
             self.run_one(s)
 
     def host_wait(self, event):
-        self._run_until(event)
+        if event.stream is not None:
+            self._run_until(event)
 
     def synchronize(self):
         for s in self.streams:

@@ -1,5 +1,6 @@
-"""Errors raised on bad input. Every one is a :class:`StateError`, and a call
-that raises one has changed nothing."""
+"""Errors. Bad input raises a :class:`StateError`, and a call that raises one
+has changed nothing; a device fault after a step was applied raises a
+:class:`MirrorFaultError`."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ __all__ = [
     "DuplicateRequestError",
     "CapacityError",
     "InvalidStepError",
+    "MirrorFaultError",
 ]
 
 
@@ -42,3 +44,12 @@ class CapacityError(StateError):
 
 class InvalidStepError(StateError):
     """A malformed scheduler step: a bad count, length, block id or type."""
+
+
+class MirrorFaultError(RuntimeError):
+    """The device work of a step failed (an allocation, an interrupted or
+    failed launch) *after* the step was applied to the host arrays. Not a
+    :class:`StateError`: the host state did change, so the step must not be
+    applied again. The mirror is marked stale and the next call (``apply``,
+    ``synchronize``) first resynchronizes the device tensors in full; until
+    that succeeds every call raises this error and changes nothing."""

@@ -609,7 +609,8 @@ class RequestTable:
     mirror_options : dict, optional
         Passed to :class:`mtpstate.mirror.DeviceMirror` (``ring_depth``,
         ``token_ids_on_device``, ``fields``, ``engine_lengths``,
-        ``token_ids_target``, ``ops``).
+        ``token_ids_target``, ``idx_mapping``, ``zero_rows_on_add``,
+        ``graphs``, ``ops``).
     seed : int, optional
         Hash seed of the request index (rows never depend on it).
     max_id_bytes : int
@@ -1336,19 +1337,37 @@ class RequestTable:
         more rows than ``max_num_reqs``."""
         return self._device_mirror().upload_rows(np.asarray(rows), purpose)
 
+    def device_idx_mapping(self):
+        """The last step's batch ``idx_mapping`` as an int64 tensor on the
+        mirror's device, shipped by the step's own device work (mirror
+        option ``idx_mapping=True``). Valid for ``ring_depth`` steps;
+        StateError without such a mirror or before a step with a batch."""
+        m = self._device_mirror()
+        if not m._idx_on:
+            raise StateError("this table's mirror does not ship idx_mapping (mirror_options={'idx_mapping': True})")
+        return m.idx_mapping()
+
     def synchronize(self) -> None:
-        """Wait until every launched copy has landed."""
+        """Wait until every launched copy has landed (a stale mirror is
+        resynchronized first: :class:`~mtpstate.MirrorFaultError`)."""
         if self._mirror is not None:
             self._mirror.synchronize()
 
     def transfer_stats(self) -> dict:
-        """``{"bytes": ..., "copies": ...}`` host-to-device traffic of the last step."""
+        """``{"bytes": ..., "copies": ..., "path": ...}``: host-to-device
+        traffic of the last step (padded to its size bucket), the copies
+        that carried it, and how its device work was issued (``"graph"``,
+        ``"eager"``, ``"host"``; None: nothing shipped)."""
         if self._mirror is None:
-            return {"bytes": 0, "copies": 0}
+            return {"bytes": 0, "copies": 0, "path": None}
         return self._mirror.stats()
 
     def __repr__(self) -> str:
+        m = self._mirror
+        mirror = "" if m is None else f", device={str(m.device)!r}, mirror={m.path!r}"
+        if m is not None and m.graph_error:
+            mirror += f" ({m.graph_error})"
         return (
             f"RequestTable(max_num_reqs={self.max_num_reqs}, max_model_len={self.max_model_len}, "
-            f"block_sizes={list(self.block_sizes)}, live={len(self)})"
+            f"block_sizes={list(self.block_sizes)}, live={len(self)}{mirror})"
         )

@@ -292,7 +292,7 @@ def test_constructor_and_views():
     with pytest.raises(ValueError):
         RequestTable(max_num_reqs=2, max_model_len=10, block_sizes=[16], max_num_blocks_per_group=[1, 2])
     assert "RequestTable" in repr(t) and len(t) == 0 and "x" not in t
-    assert t.transfer_stats() == {"bytes": 0, "copies": 0}
+    assert t.transfer_stats() == {"bytes": 0, "copies": 0, "path": None}
     with pytest.raises(StateError):
         t.device_tensors
 

@@ -103,10 +103,11 @@ class ModelRunnerV2State:
     runner
         The ``GPUModelRunner`` (or any object with its ``req_states``,
         ``block_tables`` and ``_remove_request``), after both were built.
-
     ring_depth
         Staging slots of the table's device mirror and of the ``idx_mapping``
         ring: at least the number of steps in flight (:func:`ring_depth_of`).
+    ops : mtpstate.devices.DeviceOps, optional
+        The mirror's device operations (tests: a ``DeferredOps``).
 
     Notes
     -----
@@ -156,7 +157,7 @@ class ModelRunnerV2State:
         )
         return state
 
-    def __init__(self, runner, ring_depth: int = 2):
+    def __init__(self, runner, ring_depth: int = 2, ops=None):
         rs, bt = runner.req_states, runner.block_tables
         self.ring_depth = ring_depth
         widths = [t.gpu.shape[1] for t in bt.block_tables]
@@ -169,7 +170,11 @@ class ModelRunnerV2State:
         # device, as its write kernel does), total_len and the device
         # num_computed_tokens. The host-only num_computed_tokens /
         # num_computed_prefill_tokens / max_seq_len are not shipped: vLLM's
-        # device code keeps its own num_computed_tokens.
+        # device code keeps its own num_computed_tokens. The same device work
+        # (one graph replay on CUDA) copies the step's batch idx_mapping for
+        # prepare_inputs and zeroes the new rows' draft tokens.
+        dql = getattr(runner, "decode_query_len", None)
+        spec = getattr(rs, "num_speculative_steps", 0) > 0
         self.table = RequestTable(
             max_num_reqs=rs.max_num_reqs,
             max_model_len=rs.max_model_len,
@@ -181,10 +186,14 @@ class ModelRunnerV2State:
                 "fields": ("prefill_len", "prompt_len", "num_blocks"),
                 "engine_lengths": True,
                 "token_ids_target": rs.all_token_ids.gpu,  # [max_num_reqs, max_model_len]
+                "idx_mapping": dql is not None,
+                "zero_rows_on_add": (rs.draft_tokens,) if spec else (),  # [max_num_reqs, num_speculative_steps]
+                "ops": ops,
             },
             # the step's batch (gather_batch_req_state's BatchReqState) in the same call
-            decode_query_len=getattr(runner, "decode_query_len", None),
+            decode_query_len=dql,
         )
+        self._idx_np = None  # the idx_mapping_np gather_batch_req_state handed out last
         self._batch = None
         t = self.table
         d = t.device_tensors
@@ -208,7 +217,7 @@ class ModelRunnerV2State:
         for g, dev in enumerate(d.block_tables):  # [max_num_reqs, W_g] each
             bt.block_tables[g].gpu = dev
         bt.init_block_table_layout_tensors()  # the kernels' pointer/stride tables
-        self._idx_ring = t._mirror.rows_ring("idx_mapping")  # (kept: idx_mapping() runs every step)
+        self._idx_ring = t._mirror.rows_ring("idx_mapping")  # (idx_mapping() of a dummy run's batch)
         # rows are the table's: vLLM's RequestState.remove_request still
         # returns its row to the free list, which nothing pops any more
         rs.free_indices = _RowsKeptByTable()
@@ -261,10 +270,7 @@ class ModelRunnerV2State:
             row_list = rows.tolist()
             rs.req_id_to_index.update(zip(req_ids, row_list))
             rs.index_to_req_id.update(zip(row_list, req_ids))
-            if rs.num_speculative_steps > 0:
-                # the new rows' draft tokens zeroed in one op (vLLM: one
-                # draft_tokens[row].zero_() per new request)
-                rs.draft_tokens.index_fill_(0, self.table.upload_rows(rows, "new_rows"), 0)
+            # (their draft tokens were zeroed by the step's device work)
         return res
 
     def accepts_request_id(self, req_id) -> bool:
@@ -287,6 +293,7 @@ class ModelRunnerV2State:
         has_prefill = b.has_prefill
         if not (use_pp and has_prefill):
             arrays["max_seq_len_np"] = None
+        self._idx_np = arrays["idx_mapping_np"]
         state = cls(
             req_ids=b.req_ids,
             num_tokens=b.num_tokens,
@@ -299,10 +306,15 @@ class ModelRunnerV2State:
 
     def idx_mapping(self, idx_mapping_np: np.ndarray):
         """``prepare_inputs``' ``idx_mapping``: the batch -> row mapping as an
-        int64 tensor on the runner's device, copied (non-blocking) from a
-        ring of persistent pinned buffers instead of a pinned allocation per
-        step (what ``async_tensor_h2d`` does). Valid for ``ring_depth``
-        steps, like every per-step input buffer of an async engine."""
+        int64 tensor on the runner's device. For the array
+        :meth:`gather_batch_req_state` handed out, the tensor the step's own
+        device work already shipped (nothing issued here); for any other (a
+        dummy run's), a non-blocking copy from a ring of persistent pinned
+        buffers instead of a pinned allocation per step (what
+        ``async_tensor_h2d`` does). Valid for ``ring_depth`` steps, like
+        every per-step input buffer of an async engine."""
+        if idx_mapping_np is self._idx_np:
+            return self.table.device_idx_mapping()
         return self._idx_ring.upload(idx_mapping_np)
 
 
