@@ -64,8 +64,10 @@ bench-vllm: $(VSTAMP)
 # on a CUDA machine with torch, numba, pytest(-benchmark), hypothesis installed
 # (no network, no venv): cuda tests, ring-reuse stress, mirror bench; files
 # under $$MTPSTATE_GPU_OUT (see integrations/gpu/gpu_check.py)
+# VLLM_SRC=DIR: an unpacked vLLM sdist, whose StagedWriteTensor is the device
+# bench's vLLM-way upload
 gpu-check:
-	$(PYTHON) integrations/gpu/gpu_check.py
+	$(PYTHON) integrations/gpu/gpu_check.py $(if $(VLLM_SRC),--vllm-src $(VLLM_SRC))
 
 bench: $(STAMP)
 	$(VENV)/bin/mtpstate bench

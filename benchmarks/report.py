@@ -14,7 +14,10 @@ by this script from:
 - ``docs/bench-vllm-breakdown.json``: ``harness.py --bench --runner
   --breakdown`` (the runner's host step with mtpstate on, method by method);
 - ``docs/bench-phases.json``: ``integrations/vllm/phases.py`` (the step
-  kernel's time, phase by phase).
+  kernel's time, phase by phase);
+- ``docs/bench-device-cpu.json``: ``mtpstate bench --only device`` on the
+  CPU; ``docs/bench-device-gpu.json``: the same on a GPU (``make
+  gpu-check``'s ``bench-device.json``), when one has run.
 
 Usage:
   python benchmarks/report.py --write     # rewrite the regions in the docs
@@ -262,6 +265,39 @@ def phases_table() -> str:
     return "\n".join(lines).rstrip()
 
 
+def device_table(name: str, how: str) -> str:
+    """``mtpstate bench --only device``: apply without and with the mirror,
+    until it lands, and vLLM's way of uploading the same step."""
+    path = os.path.join(DOCS, name)
+    if not os.path.exists(path):
+        return f"Not measured yet: {how}; committed as `docs/{name}`, this table is generated from it."
+    with open(path) as f:
+        d = json.load(f)
+    m, dev = d["machine"], d["device"]
+    facts = dev["facts"]
+    lines = [
+        machine_line(m),
+        f"Device: {m['mirror_device']}; mirror path: {facts['mirror_path']}; vLLM's way: {facts['vllm_way']}.",
+        "",
+        "| step | N | apply, no mirror | apply with mirror | mirror - none (paired) | mirror lands | lands - apply "
+        "| vLLM-way lands | vLLM-way / mirror lands (paired) |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+
+    def p(v, unit=""):
+        return f"{v['median']:.1f}{unit} ({v['p10']:.1f}-{v['p90']:.1f})"
+
+    for r in dev["results"]:
+        ratio = r["vllm_way_over_mirror_lands"]
+        lines.append(
+            f"| {r['workload']} | {r['n']} | {r['host']['median_us']:.1f} | {r['mirror']['median_us']:.1f} "
+            f"| {p(r['mirror_minus_host_us'])} | {r['mirror-lands']['median_us']:.1f} "
+            f"| {p(r['lands_minus_mirror_us'])} | {r['vllm-way-lands']['median_us']:.1f} "
+            f"| **{_x(ratio['median'])}** ({ratio['p10']:.2f}-{ratio['p90']:.2f}) |"
+        )
+    return "\n".join(lines)
+
+
 REGIONS = {
     "headline": headline,
     "kernel": kernel_tables,
@@ -271,6 +307,8 @@ REGIONS = {
     "before-after": before_after,
     "breakdown": breakdown_table,
     "phases": phases_table,
+    "device-cpu": lambda: device_table("bench-device-cpu.json", "`mtpstate bench --only device --json F` writes it"),
+    "device-gpu": lambda: device_table("bench-device-gpu.json", "`make gpu-check` writes `bench-device.json`"),
 }
 
 

@@ -443,9 +443,9 @@ class DeviceMirror:
                 self.ops.host_wait(slot.event)  # its replay may still be reading it
                 slot.pending = False
             self._open = slot
-            ctx = self.table._ctx
-            ctx[T.TB_STG_POS], ctx[T.TB_STG_VAL], ctx[T.TB_STG_CAP] = slot.addrs
-            ctx[T.TB_STG_ON] = 1
+            cv = self.table._cv  # (the context as Python ints: cheaper than numpy scalars)
+            cv[T.TB_STG_POS], cv[T.TB_STG_VAL], cv[T.TB_STG_CAP] = slot.addrs
+            cv[T.TB_STG_ON] = 1
         self.table._cv[T.TB_STG_N] = 0
 
     def abort_step(self):
@@ -471,7 +471,8 @@ class DeviceMirror:
             return
         slot = self._open
         self._open = None
-        self._next = (self._next + 1) % len(self._slots)
+        if self.path != "host":  # (the host's writes are done when it returns: one slot will do)
+            self._next = (self._next + 1) % len(self._slots)
         cv[T.TB_STG_ON] = 0  # nothing is staged between steps
         if deduplicate:  # the same element written twice in one step: keep the last write
             p = slot.pos_np[n_tok:n][::-1]
@@ -482,8 +483,9 @@ class DeviceMirror:
             slot.pos_np[n_tok:m] = pos
             slot.val_np[n_tok:m] = val
             n = m
-        slot.meta_np[0] = n
-        slot.meta_np[1] = n_tok
+        if self.path == "graph":  # the counts the graph reads on the device
+            slot.meta_np[0] = n
+            slot.meta_np[1] = n_tok
         if nb >= 0:
             slot.idx_np[:nb] = t._b_idx[:nb]
             self._idx_slot, self._idx_n = slot, nb
@@ -504,15 +506,7 @@ class DeviceMirror:
                     "next call"
                 ) from e
             raise
-        self._last = self._traffic(n, nb >= 0, nn > 0)
-
-    def _traffic(self, n, idx, rows) -> dict:
-        R = self.table.max_num_reqs
-        if self.path == "host":  # nothing copied: the host writes what changed
-            return {"bytes": 12 * n, "copies": 0, "path": "host"}
-        b = self._sizes[bucket_of(n, len(self._sizes) - 1)]
-        nbytes = 8 * META + 12 * b + 8 * R * (idx + rows)
-        return {"bytes": nbytes, "copies": 2 + idx + rows, "path": self.path}
+        self._last = (n, nb >= 0, nn > 0)
 
     def _ship(self, slot, n, n_tok):
         """The step's device work: one replay (or the same work, issued
@@ -674,10 +668,18 @@ class DeviceMirror:
             ring.pending = [False] * ring.depth
 
     def stats(self) -> dict:
-        return dict(self._last)
+        """The last step's host-to-device traffic (see ``RequestTable.transfer_stats``)."""
+        if self._last is None:
+            return {"bytes": 0, "copies": 0, "path": None}
+        n, idx, rows = self._last
+        if self.path == "host":  # nothing copied: the host writes what changed
+            return {"bytes": 12 * n, "copies": 0, "path": "host"}
+        b = self._sizes[bucket_of(n, len(self._sizes) - 1)]
+        nbytes = 8 * META + 12 * b + 8 * self.table.max_num_reqs * (idx + rows)
+        return {"bytes": nbytes, "copies": 2 + idx + rows, "path": self.path}
 
 
-_SHIPPED_NOTHING = {"bytes": 0, "copies": 0, "path": None}
+_SHIPPED_NOTHING = None
 
 
 def _aligned(n: int) -> int:

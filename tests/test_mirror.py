@@ -161,17 +161,17 @@ def test_cuda_device_equals_host(on_device):
 @pytest.mark.cuda
 @cuda
 def test_cuda_slots_not_reused_while_copy_in_flight():
-    """The copy stream is held back (``torch.cuda._sleep``) while the host
-    applies many steps quickly: if a staging slot were refilled before its
-    copy ran, the device would end up with another step's values."""
+    """The consumer's stream, where each step's replay runs, is held back
+    (``torch.cuda._sleep``) while the host applies many steps quickly: if a
+    staging slot were refilled before its replay ran, the device would end
+    up with another step's values."""
     cfg = dict(max_num_reqs=256, max_model_len=4096, block_sizes=(16,))
     sim = Simulator(**cfg, num_spec=2, accept=0.5, prompt_len=(1, 300), output_len=(50, 400), seed=1)
     t = RequestTable(**cfg, device="cuda", mirror_options={"ring_depth": 2})
-    stream = t._mirror._stream
+    assert t._mirror.path == "graph" and "mirror='graph'" in repr(t)
     snaps, hosts = [], []
     for so in sim.run(150):
-        with torch.cuda.stream(stream):
-            torch.cuda._sleep(2_000_000)  # ~1 ms of GPU time before this step's copy
+        torch.cuda._sleep(2_000_000)  # ~1 ms of GPU time before this step's replay
         t.apply(so)
         snaps.append(_snapshot(t))  # every step, in stream order
         hosts.append(_host(t))
@@ -231,11 +231,9 @@ def test_cuda_array_entry_and_duplicates_every_step():
     cfg = dict(max_num_reqs=8, max_model_len=128, block_sizes=(16,))
     sim = Simulator(**cfg, num_spec=2, seed=4, prompt_len=(1, 50), output_len=(2, 30))
     t = RequestTable(**cfg, device="cuda")
-    stream = t._mirror._stream
     snaps, hosts = [], []
     for so in sim.run(40):
-        with torch.cuda.stream(stream):
-            torch.cuda._sleep(500_000)
+        torch.cuda._sleep(500_000)
         apply_through_arrays(t, so)
         snaps.append(_snapshot(t))
         hosts.append(_host(t))
@@ -244,8 +242,7 @@ def test_cuda_array_entry_and_duplicates_every_step():
     t = RequestTable(**SAME_STEP_TABLE, device="cuda")
     setup, steps = same_step_steps()
     for so in setup + steps:
-        with torch.cuda.stream(t._mirror._stream):
-            torch.cuda._sleep(500_000)
+        torch.cuda._sleep(500_000)
         t.apply(so)
         snaps.append(_snapshot(t))
         hosts.append(_host(t))
@@ -260,11 +257,10 @@ def test_cuda_apply_returns_before_copy_completes():
     for so in setup:
         t.apply(so)
     t.synchronize()
-    with torch.cuda.stream(t._mirror._stream):
-        torch.cuda._sleep(200_000_000)  # ~100 ms
+    torch.cuda._sleep(200_000_000)  # ~100 ms on the consumer's stream, before the step's replay
     t.apply(timed[0])
     slot = t._mirror._slots[(t._mirror._next - 1) % t._mirror.ring_depth]
-    assert slot.event is not None and not slot.event.query()  # still in flight
+    assert slot.pending and not slot.event.query()  # still in flight
     assert_mirrored(t)
 
 
@@ -294,16 +290,21 @@ def test_cuda_ring_reuse_stress(depth):
         seed=depth,
     )
     t = RequestTable(**cfg, device="cuda", mirror_options={"ring_depth": depth})
-    stream = t._mirror._stream
+    side = torch.cuda.Stream()
     names = [*NAMES, "token_ids"]
     snaps, hosts = [], []
+    consumer = torch.cuda.current_stream()
     for so in sim.run(400):
-        if rng.random() < 0.5:
-            with torch.cuda.stream(stream):
+        if rng.random() < 0.1:  # the consumer moves to the other stream (ordered after its own work)
+            nxt = side if consumer == torch.cuda.current_stream() else torch.cuda.current_stream()
+            nxt.wait_stream(consumer)
+            consumer = nxt
+        with torch.cuda.stream(consumer):
+            if rng.random() < 0.5:
                 torch.cuda._sleep(rng.randrange(100_000, 3_000_000))
-        t.apply(so)
-        d = t.device_tensors
-        snaps.append([getattr(d, n).clone() for n in names] + [b.clone() for b in d.block_tables])
+            t.apply(so)
+            d = t.device_tensors
+            snaps.append([getattr(d, n).clone() for n in names] + [b.clone() for b in d.block_tables])
         hosts.append([getattr(t, n).copy() for n in names] + [b.copy() for b in t.block_tables])
         if len(snaps) >= 50:  # bounded memory: check and drop
             torch.cuda.synchronize()
@@ -434,14 +435,29 @@ def test_cuda_engine_targets_under_held_back_copies(depth):
         seed=depth,
     )
     target = torch.full((R, L), -1, dtype=torch.int32, device="cuda")
-    t = _engine_table(R, L, (16,), target, device="cuda", ring_depth=depth)
-    d, stream = t.device_tensors, t._mirror._stream
+    drafts = torch.full((R, 3), 7, dtype=torch.int64, device="cuda")
+    t = RequestTable(
+        max_num_reqs=R,
+        max_model_len=L,
+        block_sizes=(16,),
+        device="cuda",
+        decode_query_len=4,
+        mirror_options=engine_mirror_options(target, ring_depth=depth, idx_mapping=True, zero_rows_on_add=(drafts,)),
+    )
+    assert t._mirror.path == "graph"
+    d = t.device_tensors
     seeds = EngineSeeds()
     for so in sim.run(200):
         if rng.random() < 0.5:
-            with torch.cuda.stream(stream):
-                torch.cuda._sleep(rng.randrange(100_000, 2_000_000))
-        seeds.record(so, t.apply(so))
+            torch.cuda._sleep(rng.randrange(100_000, 2_000_000))  # the consumer's stream, before the replay
+        res = t.apply(so)
+        seeds.record(so, res)
+        if res.batch is not None:
+            np.testing.assert_array_equal(t.device_idx_mapping().cpu().numpy(), res.batch.idx_mapping_np)
+        new = res.new_rows.tolist()
+        if new:
+            assert not drafts[new].any().item()  # zeroed in stream order
+        drafts.fill_(7)  # the speculator writes every row
         seeds.check(t, target)
         np.testing.assert_array_equal(d.num_blocks.cpu().numpy(), t.num_blocks)
         np.testing.assert_array_equal(d.block_tables[0].cpu().numpy(), t.block_tables[0])

@@ -10,18 +10,27 @@ network, in under 8 minutes:
    queued on the consumer's stream reading the old state; the array entry
    point and same-step duplicate writes; the vLLM adapter's engine
    configuration under held-back copies; host token writes refused;
-2. the mirror benchmark at N = 1024 and 4096 (``mtpstate bench --only table``:
-   host-only, mirror to the GPU, and the loop's per-request staging);
+2. the device benchmark (``mtpstate bench --only device``: at N = 1, 16,
+   256, 1024, 4096, steady and mixed, apply without the mirror, with it
+   (host time), until it lands, and the same step's upload done vLLM's
+   way; ``--vllm-src DIR``: vLLM's own ``StagedWriteTensor`` from an
+   unpacked sdist), then the mirror benchmark at N = 1024 and 4096
+   (``mtpstate bench --only table``);
 3. the machine: date, GPU, driver, CUDA, torch, numba, Python.
 
 Results, and only results, go to files under ``$MTPSTATE_GPU_OUT`` (default
 ``gpu-check-out``): ``machine.json``, ``cuda-tests.txt`` / ``cuda-tests.xml``,
-``bench.json`` / ``bench.txt``, ``summary.json`` (numba's compile cache goes
-to a temporary directory unless ``NUMBA_CACHE_DIR`` is set). The whole run
-is bounded by one 8-minute budget shared by its parts. Exit status 0 only if
-the tests and the benchmark passed.
+``bench-device.json`` / ``bench-device.txt`` (docs/benchmarks.md's GPU
+table is generated from it, committed as ``docs/bench-device-gpu.json``, by
+``python benchmarks/report.py --write``), ``bench.json`` / ``bench.txt``,
+``summary.json``
+(numba's compile cache goes to a temporary directory unless
+``NUMBA_CACHE_DIR`` is set). The whole run is bounded by one 8-minute budget
+shared by its parts. Exit status 0 only if the tests and the benchmarks
+passed.
 
-Run from the repository root: ``python integrations/gpu/gpu_check.py``.
+Run from the repository root: ``python integrations/gpu/gpu_check.py
+[--vllm-src DIR]``.
 """
 
 from __future__ import annotations
@@ -38,7 +47,7 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 BUDGET_S = 8 * 60  # the whole run, all parts together
-TESTS_S, BENCH_S = 300, 150  # each part's own cap, within what the budget leaves
+TESTS_S, DEVICE_S, BENCH_S = 240, 130, 80  # each part's own cap, within what the budget leaves
 
 
 def _run(cmd, out_txt, timeout, env):
@@ -81,7 +90,14 @@ def machine() -> dict:
     return info
 
 
-def main() -> int:
+def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    vllm_src = None
+    if argv[:1] == ["--vllm-src"] and len(argv) == 2:
+        vllm_src = os.path.abspath(argv[1])
+    elif argv:
+        print("usage: gpu_check.py [--vllm-src DIR]", file=sys.stderr)
+        return 2
     t_end = time.monotonic() + BUDGET_S
     out = os.path.abspath(os.environ.get("MTPSTATE_GPU_OUT", "gpu-check-out"))
     os.makedirs(out, exist_ok=True)
@@ -110,6 +126,15 @@ def main() -> int:
     )  # fmt: skip
     summary["cuda_tests"] = {"rc": rc, "seconds": round(dt, 1), "tail": text.strip().splitlines()[-1:]}
     print(json.dumps(summary["cuda_tests"]), flush=True)
+    cmd = [sys.executable, "-m", "mtpstate", "bench", "--only", "device"]
+    cmd += ["--json", os.path.join(out, "bench-device.json")]
+    if vllm_src:
+        cmd += ["--vllm-src", vllm_src]
+    rc_d, dt_d, text_d = _run(
+        cmd, os.path.join(out, "bench-device.txt"), max(1, min(DEVICE_S, t_end - time.monotonic() - 100)), env
+    )
+    summary["device_bench"] = {"rc": rc_d, "seconds": round(dt_d, 1)}
+    print(text_d[-4000:], flush=True)
     rc_b, dt_b, text_b = _run(
         [sys.executable, "-m", "mtpstate", "bench", "--only", "table", "--sizes", "1024,4096",
          "--json", os.path.join(out, "bench.json")],
@@ -121,7 +146,7 @@ def main() -> int:
     print(text_b[-4000:], flush=True)
     with open(os.path.join(out, "summary.json"), "w") as f:
         json.dump(summary, f, indent=1)
-    return 0 if rc == 0 and rc_b == 0 else 1
+    return 0 if rc == 0 and rc_d == 0 and rc_b == 0 else 1
 
 
 if __name__ == "__main__":

@@ -24,6 +24,7 @@ Run: ``python integrations/vllm/harness.py [--workload NAME] [--bench]``.
 from __future__ import annotations
 
 import argparse
+import collections
 import contextlib
 import ctypes
 import json
@@ -416,7 +417,9 @@ class MRV2Reference:
     ``finish_requests``, ``add_requests`` and ``update_requests`` methods,
     bound to an object holding the real ``RequestState`` and ``BlockTables``."""
 
-    def __init__(self, max_num_reqs, max_model_len, max_num_batched_tokens, block_sizes, num_spec, use_mtpstate=False):
+    def __init__(
+        self, max_num_reqs, max_model_len, max_num_batched_tokens, block_sizes, num_spec, use_mtpstate=False, ops=None
+    ):
         import torch
         from vllm.v1.worker.gpu.block_table import BlockTables
         from vllm.v1.worker.gpu.model_runner import GPUModelRunner
@@ -456,7 +459,10 @@ class MRV2Reference:
 
             if not getattr(GPUModelRunner.add_requests, "__mtpstate_patched__", False):
                 raise RuntimeError("the runner is not patched: call load_plugin() first")
-            self.mtpstate = ModelRunnerV2State.for_runner(self)
+            if ops is None:
+                self.mtpstate = ModelRunnerV2State.for_runner(self)
+            else:  # a model of a GPU's asynchrony (mtpstate.devices.DeferredOps)
+                self.mtpstate = ModelRunnerV2State(self, ring_depth=2, ops=ops)
 
     def apply(self, so) -> None:
         R = self._runner
@@ -844,25 +850,43 @@ def sabotage(kind: str) -> None:
     DeviceMirror._ship = corrupted
 
 
-def run_runner_differential(w: Workload, model_dir: str) -> dict:
+def run_runner_differential(w: Workload, model_dir: str, deferred: bool = False) -> dict:
     """vLLM's unpatched source, mtpstate applied by its plugin through vLLM's
     own ``load_general_plugins()``: the runner's methods as the plugin
     patched them, mtpstate on (``ModelRunnerV2State``), against vLLM's own
     methods, compared after every step:
     the state, and the whole ``BatchReqState`` of ``gather_batch_req_state``
-    (on: built from ``StepResult.batch``), plus ``idx_mapping``."""
+    (on: built from ``StepResult.batch``), plus ``idx_mapping``.
+    ``deferred``: mtpstate's device work on a model of a GPU's asynchrony
+    (its graph path), counted per step (``ops_per_step``: each distinct
+    count and how many steps had it), then run before the comparison (vLLM's
+    own code reads the tensors at once on the CPU)."""
     load_plugin()
     drv = Driver(w, model_dir)
     args = (w.max_num_seqs, w.max_model_len, w.max_num_batched_tokens, drv.block_sizes, w.num_spec)
-    ref, patched = MRV2Reference(*args), MRV2Reference(*args, use_mtpstate=True)
+    ops = None
+    if deferred:
+        import torch
+
+        from mtpstate.devices import DeferredOps
+
+        ops = DeferredOps(torch, graphs=True)
+    ref, patched = MRV2Reference(*args), MRV2Reference(*args, use_mtpstate=True, ops=ops)
     res = {"workload": w.name, "steps": 0, "disagreements": 0, "first": []}
+    per_step = collections.Counter()
     ids_ref = lambda rows: [ref.req_states.index_to_req_id[int(r)] for r in rows]  # noqa: E731
     ids_pat = lambda rows: [patched.req_states.index_to_req_id[int(r)] for r in rows]  # noqa: E731
     for so in drv.steps():
         blob = pickle.dumps(so)
         so2 = pickle.loads(blob)
         ref.apply(so)
+        if ops is not None:
+            before = dict(ops.issued)
         patched.apply(so2)
+        if ops is not None:
+            issued = {k: v - before.get(k, 0) for k, v in ops.issued.items() if v != before.get(k, 0)}
+            per_step[json.dumps(issued, sort_keys=True)] += 1
+            ops.synchronize()
         bad = diff_states(ref.state(device=True), patched.state(device=True))
         # the whole BatchReqState: vLLM's gather (off) against StepResult.batch (on)
         bad += diff_batches(ref.gather(so), ids_ref, patched.gather(so2), ids_pat)
@@ -876,6 +900,8 @@ def run_runner_differential(w: Workload, model_dir: str) -> dict:
             res["disagreements"] += 1
             if len(res["first"]) < 3:
                 res["first"].append((res["steps"], bad[:5]))
+    if ops is not None:
+        res["ops_per_step"] = dict(per_step)
     return res
 
 
@@ -1201,6 +1227,11 @@ def main(argv=None) -> int:
         choices=sorted(SABOTAGE),
         help="with --runner: break what the mirror ships to vLLM's tensors (a negative control: must disagree)",
     )
+    p.add_argument(
+        "--deferred",
+        action="store_true",
+        help="with --runner: mtpstate's device work on a model of a GPU's asynchrony, counted per step",
+    )
     p.add_argument("--json", metavar="FILE")
     args = p.parse_args(argv)
     install_cpu_shims()
@@ -1222,7 +1253,7 @@ def main(argv=None) -> int:
         elif args.bench:
             r = bench_workload(w, model_dir, runner=args.runner)
         elif args.runner:
-            r = run_runner_differential(w, model_dir)
+            r = run_runner_differential(w, model_dir, deferred=args.deferred)
         else:
             r = run_workload(w, model_dir)
         r["seconds"] = time.perf_counter() - t0

@@ -42,6 +42,21 @@ def test_runner_through_plugin_agrees():
         assert r["steps"] > 0 and r["disagreements"] == 0, r
 
 
+def test_runner_on_a_deferred_device_one_replay_per_step():
+    """The adapter's device work on the deferred model of a GPU (its graph
+    path): every step, with or without arrivals, issues exactly one replay
+    and one event record from mtpstate (the state, token ids, lengths, the
+    batch's idx_mapping and the new rows' draft zeroing all in it), and the
+    runner still agrees with vLLM's own methods on every step."""
+    names = ["sync-spec3-chunked", "async-preempt"]
+    p, results = _harness(*(a for n in names for a in ("--workload", n)), "--deferred", "--steps", "120")
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert len(results) == len(names)
+    for r in results:
+        assert r["steps"] == 120 and r["disagreements"] == 0, r
+        assert r["ops_per_step"] == {json.dumps({"record": 1, "replay": 1}): 120}, r["ops_per_step"]
+
+
 @pytest.mark.parametrize("kind", sorted(harness.SABOTAGE))
 def test_runner_differential_can_fail(kind):
     """Negative controls: the mirror's copy corrupted (new requests' token

@@ -465,26 +465,37 @@ def run(
     out=print,
     wrote=None,
     progress_stream=None,
+    vllm_src=None,
 ):
-    """Run the benchmark parts in ``what``; print the report, write the JSON
-    and plot if asked (``wrote(path)`` is called for each file written)."""
+    """Run the benchmark parts in ``what`` (``"device"``: the device mirror,
+    :mod:`mtpstate.tools.bench_device`, with ``vllm_src`` for vLLM's own
+    staged writes); print the report, write the JSON and plot if asked
+    (``wrote(path)`` is called for each file written)."""
     from mtpstate import warmup
     from mtpstate._kernels.native import COMPILE_NOTICE
+    from mtpstate.tools.bench_device import DEVICE_SIZES, DEVICE_WORKLOADS, bench_device, format_device_report
 
+    sizes_given = sizes
     sizes = sorted(set(sizes or (QUICK_SIZES if quick else FULL_SIZES if full else SIZES)))
     compiled_before = COMPILE_NOTICE.total_s
     warmup_s = warmup()
     machine = machine_info()
     machine["kernels_compiled"] = COMPILE_NOTICE.total_s > compiled_before
 
+    dev_sizes = sorted(set(sizes_given or (QUICK_SIZES if quick else DEVICE_SIZES)))
     total = (
-        (len(WORKLOADS) * len(sizes) if "table" in what else 0)
+        (len(DEVICE_WORKLOADS) * len(dev_sizes) if "device" in what else 0)
+        + (len(WORKLOADS) * len(sizes) if "table" in what else 0)
         + (len(VLLM_WORKLOADS) * len(sizes) if "vllm" in what else 0)
         + (len(sizes) if "index" in what else 0)
     )
     progress = Progress(total, progress_stream)
     results = []
+    device = None
     try:
+        if "device" in what:
+            dev_results, facts = bench_device(dev_sizes, quick, progress, vllm_src=vllm_src)
+            device = {"facts": facts, "results": dev_results}
         if "table" in what:
             results += bench_table(sizes, quick, progress)
         if "vllm" in what:
@@ -494,10 +505,16 @@ def run(
     finally:
         progress.close()
     fits = fit_costs(results)
-    out(format_report(machine, results, warmup_s, fits))
+    report = format_report(machine, results, warmup_s, fits)
+    if device is not None:
+        report = "\n".join([report, *format_device_report(device["results"], device["facts"])])
+    out(report)
     if json_path:
+        doc = {"machine": machine, "warmup_s": warmup_s, "results": results, "fits": fits}
+        if device is not None:
+            doc["device"] = device
         with open(json_path, "w") as f:
-            json.dump({"machine": machine, "warmup_s": warmup_s, "results": results, "fits": fits}, f, indent=1)
+            json.dump(doc, f, indent=1)
         if wrote:
             wrote(json_path)
     if plot_path:

@@ -186,7 +186,8 @@ several more, --quick about 20 s.
 
 examples:
   mtpstate bench --quick
-  mtpstate bench --only vllm --sizes 1,1024,4096 --json out.json --plot out.png"""
+  mtpstate bench --only vllm --sizes 1,1024,4096 --json out.json --plot out.png
+  mtpstate bench --only device --json device.json   # the device mirror (N = 1,16,256,1024,4096)"""
 
 WARMUP_HELP = """\
 Compile mtpstate's kernels now (or load them from numba's on-disk cache), so
@@ -289,7 +290,16 @@ def build_parser() -> argparse.ArgumentParser:
         help="running requests per step (default: 1,256,1024,4096; --full 1,16,64,256,1024,4096,16384; "
         "--quick 1,256,4096)",
     )
-    b.add_argument("--only", choices=["table", "vllm", "index"], help="run one part (default: all three)")
+    b.add_argument(
+        "--only",
+        choices=["table", "vllm", "index", "device"],
+        help="run one part (default: table, vllm, index; device: the device mirror's cost, what `make gpu-check` runs)",
+    )
+    b.add_argument(
+        "--vllm-src",
+        metavar="DIR",
+        help="with --only device on CUDA: an unpacked vLLM sdist whose StagedWriteTensor is the vLLM-way upload",
+    )
     b.add_argument("--json", metavar="FILE", help="write results and run metadata as JSON")
     b.add_argument("--plot", metavar="FILE.png", help="write a plot, one panel per workload (needs matplotlib)")
 
@@ -382,6 +392,19 @@ def _cmd_bench(args) -> None:
     what = (args.only,) if args.only else ("table", "vllm", "index")
     if args.quick and args.full:
         raise CliError("--quick and --full exclude each other")
+    if args.vllm_src is not None and args.only != "device":
+        raise CliError("--vllm-src goes with --only device")
+    if args.vllm_src is not None and not os.path.isfile(
+        os.path.join(args.vllm_src, "vllm", "v1", "worker", "gpu", "buffer_utils.py")
+    ):
+        raise CliError(
+            f"--vllm-src {args.vllm_src}: not an unpacked vLLM source tree (no vllm/v1/worker/gpu/buffer_utils.py)"
+        )
+    if args.only == "device":
+        try:
+            import torch  # noqa: F401
+        except ImportError:
+            raise CliError("--only device needs torch: pip install 'mtpstate[torch]'") from None
     run(
         quick=args.quick,
         sizes=args.sizes,
@@ -390,6 +413,7 @@ def _cmd_bench(args) -> None:
         plot_path=args.plot,
         what=what,
         wrote=_wrote,
+        vllm_src=args.vllm_src,
     )
 
 
