@@ -15,7 +15,7 @@ from mtpstate.errors import (
 from mtpstate.index import RequestIndex
 from mtpstate.table import RequestTable, StepResult
 
-__version__ = "0.3.0"
+__version__ = "0.4.0"
 
 
 def warmup() -> float:

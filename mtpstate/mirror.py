@@ -471,8 +471,7 @@ class DeviceMirror:
             return
         slot = self._open
         self._open = None
-        if self.path != "host":  # (the host's writes are done when it returns: one slot will do)
-            self._next = (self._next + 1) % len(self._slots)
+        self._next = (self._next + 1) % len(self._slots)  # (on the host too: idx_mapping lives ring_depth steps)
         cv[T.TB_STG_ON] = 0  # nothing is staged between steps
         if deduplicate:  # the same element written twice in one step: keep the last write
             p = slot.pos_np[n_tok:n][::-1]

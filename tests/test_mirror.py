@@ -514,3 +514,40 @@ def test_cuda_rows_ring_on_a_device_that_is_not_current():
     torch.cuda.synchronize(1)
     for k, (c, w) in enumerate(zip(clones, wants)):
         np.testing.assert_array_equal(c.cpu().numpy(), w, err_msg=f"upload {k}")
+
+
+def test_device_idx_mapping_and_new_rows_zeroed_on_the_host_path():
+    """The adapter's extras on the CPU: each step's idx_mapping on the
+    device side, valid for ring_depth steps; new rows of the given tensors
+    zeroed by the step that adds them (the others untouched); the options
+    checked."""
+    R, L, depth = 16, 200, 3
+    drafts = torch.full((R, 2), 9, dtype=torch.int64)
+    t = RequestTable(
+        max_num_reqs=R,
+        max_model_len=L,
+        decode_query_len=3,
+        device="cpu",
+        mirror_options={"ring_depth": depth, "idx_mapping": True, "zero_rows_on_add": (drafts,)},
+    )
+    assert "mirror='host'" in repr(t)
+    with pytest.raises(StateError, match="no step"):
+        t.device_idx_mapping()
+    sim = Simulator(max_num_reqs=R, max_model_len=L, num_spec=2, prompt_len=(1, 60), output_len=(1, 40), seed=3)
+    kept = []
+    for so in sim.run(40):
+        res = t.apply(so)
+        new = res.new_rows.tolist()
+        assert (drafts[new] == 0).all() and (drafts[[r for r in range(R) if r not in new]] == 9).all()
+        drafts.fill_(9)
+        kept.append((t.device_idx_mapping(), res.batch.idx_mapping_np.copy()))
+        for got, want in kept[-depth:]:  # the last ring_depth steps' tensors are intact
+            np.testing.assert_array_equal(got.numpy(), want)
+    with pytest.raises(StateError, match="does not ship idx_mapping"):
+        RequestTable(max_num_reqs=2, max_model_len=8, device="cpu").device_idx_mapping()
+    with pytest.raises(ValueError, match="decode_query_len"):
+        RequestTable(max_num_reqs=2, max_model_len=8, device="cpu", mirror_options={"idx_mapping": True})
+    with pytest.raises(ValueError, match="zero_rows_on_add"):
+        RequestTable(
+            max_num_reqs=2, max_model_len=8, device="cpu", mirror_options={"zero_rows_on_add": (torch.zeros(3, 2),)}
+        )

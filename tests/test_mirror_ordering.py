@@ -328,12 +328,21 @@ def test_array_entry_and_same_step_duplicates_on_deferred_device(graphs):
     """The other staging paths under a held-back consumer: steps that stage
     an element twice (a row added and updated by the same step: the last
     write must win on the device), and the array entry point (``finish`` /
-    ``add`` / ``update_arrays``, shipped by ``stage_arrays``)."""
+    ``add`` / ``update_arrays``, shipped by ``stage_arrays``); with the host
+    wait removed, or the work off the consumer's stream, they disagree."""
+    dups, bad = _same_step_run(DeferredOps, graphs)
+    assert dups > 0 and bad == 0  # (the duplicate path ran)
+    assert _array_entry_run(DeferredOps, graphs) == 0
+    for mutant in (NoHostWait, OffConsumerStream):
+        assert _same_step_run(mutant, graphs)[1] + _array_entry_run(mutant, graphs) > 0, mutant.__name__
+
+
+def _same_step_run(ops_cls, graphs):
     from test_table import SAME_STEP_TABLE, same_step_steps
 
     from mtpstate._kernels import slots as T
 
-    ops = DeferredOps(torch, seed=5, graphs=graphs)
+    ops = ops_cls(torch, seed=5, graphs=graphs)
     t = RequestTable(**SAME_STEP_TABLE, device="cpu", mirror_options={"ops": ops})
     checker = Checker(ops, t)
     setup, steps = same_step_steps()
@@ -344,24 +353,30 @@ def test_array_entry_and_same_step_duplicates_on_deferred_device(graphs):
         t.apply(so)
         dups += int(t._cv[T.TB_STG_DUPS])
         checker.read()
-    assert dups > 0  # the duplicate path ran
+    for s in ops.streams:
+        ops.release(s)
+    ops.synchronize()
+    return dups, checker.disagreements()
+
+
+def _array_entry_run(ops_cls, graphs) -> int:
     cfg = dict(max_num_reqs=8, max_model_len=128, block_sizes=(16,))
-    ops2 = DeferredOps(torch, seed=6, graphs=graphs)
-    t2 = RequestTable(**cfg, device="cpu", mirror_options={"ops": ops2, "ring_depth": 2})
-    checker2 = Checker(ops2, t2)
+    ops = ops_cls(torch, seed=6, graphs=graphs)
+    t = RequestTable(**cfg, device="cpu", mirror_options={"ops": ops, "ring_depth": 2})
+    checker = Checker(ops, t)
     rng = random.Random(6)
     sim = Simulator(**cfg, num_spec=2, seed=4, prompt_len=(1, 50), output_len=(2, 30))
     for so in sim.run(40):
-        (ops2.hold if rng.random() < 0.5 else ops2.release)(ops2.default)
-        checker2.read()
-        apply_through_arrays(t2, so)
-        checker2.read()
-        ops2.run_some(rng.randrange(0, 5))
-    for o in (ops, ops2):
-        for s in o.streams:
-            o.release(s)
-        o.synchronize()
-    assert checker.disagreements() == 0 and checker2.disagreements() == 0
+        for s in ops.streams:
+            (ops.hold if rng.random() < 0.5 else ops.release)(s)
+        checker.read()
+        apply_through_arrays(t, so)
+        checker.read()
+        ops.run_some(rng.randrange(0, 5))
+    for s in ops.streams:
+        ops.release(s)
+    ops.synchronize()
+    return checker.disagreements()
 
 
 # ----------------------------------------------------------------------------
