@@ -13,7 +13,8 @@ from mtpstate.errors import (
     UnknownRequestError,
 )
 from mtpstate.index import RequestIndex
-from mtpstate.table import RequestTable, StepResult
+from mtpstate.results import StepResult
+from mtpstate.table import RequestTable
 
 __version__ = "0.4.0"
 

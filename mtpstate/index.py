@@ -18,7 +18,9 @@ from collections.abc import Iterable
 
 import numpy as np
 
-from mtpstate._kernels import index as K
+from mtpstate._kernels import slots as T
+from mtpstate._kernels import status as K
+from mtpstate._kernels.index import INLINE_BYTES, KEY_WORDS, ix_find, ix_insert, ix_remove
 from mtpstate._kernels.native import ARRAY_LAYOUT_OK, ASCII_DATA_OFFSET, DICT_LAYOUT_OK, PY_ADDRESSES
 from mtpstate.errors import (
     CapacityError,
@@ -133,28 +135,28 @@ class RequestIndex:
         # they must stay referenced here for as long as the index lives
         self._slots = np.full(tsize, -1, np.int64)  # [table_size]
         self._row_hash = np.zeros(capacity, np.uint64)  # [capacity]
-        self._key_words = K.KEY_WORDS  # a length word, then 56 bytes of id (or an arena address + 48)
+        self._key_words = KEY_WORDS  # a length word, then 56 bytes of id (or an arena address + 48)
         self._keys = np.zeros(capacity * self._key_words, np.uint64)  # [capacity * KEY_WORDS]
         self._arena = np.zeros(0, np.uint64)  # [arena words]: the long ids' bytes
         self._key_len = np.full(capacity, -1, np.int32)  # [capacity]
-        self._ctx = np.zeros(K.IX_SIZE, np.int64)
+        self._ctx = np.zeros(T.IX_SIZE, np.int64)
         c = self._ctx
-        c[K.IX_SLOTS] = self._slots.ctypes.data
-        c[K.IX_MASK] = tsize - 1
-        c[K.IX_ROW_HASH] = self._row_hash.ctypes.data
-        c[K.IX_KEYS] = self._keys.ctypes.data
-        c[K.IX_KW] = self._key_words
-        c[K.IX_KEY_LEN] = self._key_len.ctypes.data
-        c[K.IX_CAP] = capacity
-        c[K.IX_SEED] = seed & _HASH_BITS_ALL
-        c[K.IX_HMASK] = (1 << _hash_bits) - 1
-        c[K.IX_T_LIST : K.IX_FALSE + 1] = PY_ADDRESSES[:8]
-        c[K.IX_T_DICT] = PY_ADDRESSES[8]
-        c[K.IX_DICT_OK] = DICT_LAYOUT_OK
-        c[K.IX_ASCII_OFF] = ASCII_DATA_OFFSET
-        c[K.IX_MAX_KEY] = max_id_bytes
-        c[K.IX_ARRAY_OK] = int(ARRAY_LAYOUT_OK)
-        c[K.IX_ARENA] = self._arena.ctypes.data
+        c[T.IX_SLOTS] = self._slots.ctypes.data
+        c[T.IX_MASK] = tsize - 1
+        c[T.IX_ROW_HASH] = self._row_hash.ctypes.data
+        c[T.IX_KEYS] = self._keys.ctypes.data
+        c[T.IX_KW] = self._key_words
+        c[T.IX_KEY_LEN] = self._key_len.ctypes.data
+        c[T.IX_CAP] = capacity
+        c[T.IX_SEED] = seed & _HASH_BITS_ALL
+        c[T.IX_HMASK] = (1 << _hash_bits) - 1
+        c[T.IX_T_LIST : T.IX_FALSE + 1] = PY_ADDRESSES[:8]
+        c[T.IX_T_DICT] = PY_ADDRESSES[8]
+        c[T.IX_DICT_OK] = DICT_LAYOUT_OK
+        c[T.IX_ASCII_OFF] = ASCII_DATA_OFFSET
+        c[T.IX_MAX_KEY] = max_id_bytes
+        c[T.IX_ARRAY_OK] = int(ARRAY_LAYOUT_OK)
+        c[T.IX_ARENA] = self._arena.ctypes.data
         self._ctx_addr = int(c.ctypes.data)
 
     # -- internals -------------------------------------------------------
@@ -166,13 +168,13 @@ class RequestIndex:
         left: compact the live long ids into a new arena of twice what they
         and the new ones need."""
         c = self._ctx
-        self._compact_arena(int(c[K.IX_ARENA_LIVE]) + int(c[K.IX_ARENA_CAP]) - int(c[K.IX_ARENA_TOP]) + short_words)
+        self._compact_arena(int(c[T.IX_ARENA_LIVE]) + int(c[T.IX_ARENA_CAP]) - int(c[T.IX_ARENA_TOP]) + short_words)
 
     def _maybe_shrink_arena(self) -> None:
         """Return the memory of finished long ids once their garbage exceeds
         what is live (called after calls that may have freed rows)."""
         c = self._ctx
-        top, live = int(c[K.IX_ARENA_TOP]), int(c[K.IX_ARENA_LIVE])
+        top, live = int(c[T.IX_ARENA_TOP]), int(c[T.IX_ARENA_LIVE])
         if top - live > max(live, self._ARENA_MIN_WORDS):
             self._compact_arena(live)
 
@@ -180,7 +182,7 @@ class RequestIndex:
         c = self._ctx
         kw = self._key_words
         keys = self._keys.reshape(self._capacity, kw)
-        rows = np.flatnonzero(self._key_len > K.INLINE_BYTES)
+        rows = np.flatnonzero(self._key_len > INLINE_BYTES)
         nw = (self._key_len[rows].astype(np.int64) + 7) // 8
         live = int(nw.sum())
         cap = max(self._ARENA_MIN_WORDS, 2 * max(need_words, live))
@@ -191,10 +193,10 @@ class RequestIndex:
             arena[:live] = self._arena[np.repeat(src - starts, nw) + np.arange(live)]
             keys[rows, 1] = (arena.ctypes.data + 8 * starts).astype(np.uint64)
         self._arena = arena
-        c[K.IX_ARENA] = arena.ctypes.data
-        c[K.IX_ARENA_CAP] = cap
-        c[K.IX_ARENA_TOP] = live
-        c[K.IX_ARENA_LIVE] = live
+        c[T.IX_ARENA] = arena.ctypes.data
+        c[T.IX_ARENA_CAP] = cap
+        c[T.IX_ARENA_TOP] = live
+        c[T.IX_ARENA_LIVE] = live
 
     def key_bytes(self) -> int:
         """Bytes of key storage: the rows' inline keys and the arena."""
@@ -217,25 +219,25 @@ class RequestIndex:
                 if status == K.OK:
                     return ids
                 if status == K.E_KEY_TOO_LONG:
-                    self._grow_arena(int(self._ctx[K.IX_ERR_ARG]))
+                    self._grow_arena(int(self._ctx[T.IX_ERR_ARG]))
                 elif status == K.E_NOT_CANONICAL and not canonical:
                     ids = canonical_ids(ids)
                     canonical = True
-                    self._ctx[K.IX_ALLOW_BYTES] = 1
+                    self._ctx[T.IX_ALLOW_BYTES] = 1
                 else:
                     self._raise(status, ids)
         finally:
-            self._ctx[K.IX_ALLOW_BYTES] = 0
+            self._ctx[T.IX_ALLOW_BYTES] = 0
 
     def _raise(self, status: int, ids) -> None:
-        pos = int(self._ctx[K.IX_ERR_POS])
-        arg = int(self._ctx[K.IX_ERR_ARG])
+        pos = int(self._ctx[T.IX_ERR_POS])
+        arg = int(self._ctx[T.IX_ERR_ARG])
         rid = key_text(ids[pos]) if pos >= 0 else None
         if status == K.E_UNKNOWN:
             raise UnknownRequestError(rid)
         if status == K.E_LIVE:
             row = np.empty(1, np.int32)
-            self._run_locked(K.ix_find, [ids[pos]], row, False)  # (the caller holds the guard)
+            self._run_locked(ix_find, [ids[pos]], row, False)  # (the caller holds the guard)
             raise DuplicateRequestError(f"request id {rid!r} is already live (row {row[0]})")
         if status == K.E_DUPLICATE:
             raise DuplicateRequestError(f"request id {rid!r} appears twice in the batch (positions {arg} and {pos})")
@@ -265,7 +267,7 @@ class RequestIndex:
         return self._capacity
 
     def __len__(self) -> int:
-        return int(self._ctx[K.IX_NUM_LIVE])
+        return int(self._ctx[T.IX_NUM_LIVE])
 
     def __contains__(self, req_id) -> bool:
         if not isinstance(req_id, str):
@@ -291,7 +293,7 @@ class RequestIndex:
         """
         req_ids = self._as_list(req_ids)
         out = np.empty(len(req_ids), np.int32)
-        self._run(K.ix_insert, req_ids, out)
+        self._run(ix_insert, req_ids, out)
         return out
 
     def lookup(self, req_ids) -> np.ndarray:
@@ -304,9 +306,9 @@ class RequestIndex:
         guard = self._guard
         guard.enter()
         try:
-            if K.ix_find(self._ctx_addr, id(req_ids), out, True) == K.OK:
+            if ix_find(self._ctx_addr, id(req_ids), out, True) == K.OK:
                 return out
-            self._run_locked(K.ix_find, req_ids, out, True)
+            self._run_locked(ix_find, req_ids, out, True)
         finally:
             guard.exit()
         return out
@@ -315,7 +317,7 @@ class RequestIndex:
         """Rows of ids, -1 for ids that are not live."""
         req_ids = self._as_list(req_ids)
         out = np.empty(len(req_ids), np.int32)
-        self._run(K.ix_find, req_ids, out, False)
+        self._run(ix_find, req_ids, out, False)
         return out
 
     def remove(self, req_ids) -> np.ndarray:
@@ -323,7 +325,7 @@ class RequestIndex:
         (ignored, as an engine sees aborts of requests it never scheduled)."""
         req_ids = self._as_list(req_ids)
         out = np.empty(len(req_ids), np.int32)
-        self._run(K.ix_remove, req_ids, out)
+        self._run(ix_remove, req_ids, out)
         self._maybe_shrink_arena()
         return out
 
@@ -336,7 +338,7 @@ class RequestIndex:
         if n < 0:
             return None
         kw = self._key_words
-        if n <= K.INLINE_BYTES:
+        if n <= INLINE_BYTES:
             raw = self._keys[row * kw + 1 : (row + 1) * kw].tobytes()[:n]
         else:
             off = (int(self._keys[row * kw + 1]) - self._arena.ctypes.data) // 8

@@ -17,10 +17,10 @@ settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci" if os.environ.ge
 def index_snapshot(ix):
     """Every array the index is made of, copied (error slots of the context
     excluded: they are scratch)."""
-    from mtpstate._kernels import index as K
+    from mtpstate._kernels import slots as T
 
     ctx = ix._ctx.copy()
-    ctx[K.IX_ERR_POS : K.IX_ERR_PHASE + 1] = 0
+    ctx[T.IX_ERR_POS : T.IX_ERR_PHASE + 1] = 0
     return [ix._slots.copy(), ix._row_hash.copy(), ix._keys.copy(), ix._key_len.copy(), ctx]
 
 

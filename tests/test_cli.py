@@ -174,7 +174,7 @@ def test_compile_notice(capsys, monkeypatch):
     anything outside mtpstate is not."""
     import numba
 
-    from mtpstate._kernels.native import COMPILE_NOTICE
+    from mtpstate._kernels.jit import COMPILE_NOTICE
 
     monkeypatch.setattr(COMPILE_NOTICE, "entries", frozenset({"_probe_kernel"}))
     monkeypatch.setattr(COMPILE_NOTICE, "printed", False)

@@ -201,6 +201,11 @@ def _drive(ops, table, checker, sim, steps, seed, seeds=None, switch=0.0):
                 checker.read_idx(res)
             checker.speculate()
         ops.run_some(rng.randrange(0, 8))
+    return _finish(ops, checker)
+
+
+def _finish(ops, checker) -> int:
+    """Release every stream, run everything queued, count the disagreements."""
     for s in ops.streams:
         ops.release(s)
     ops.synchronize()
@@ -353,10 +358,7 @@ def _same_step_run(ops_cls, graphs):
         t.apply(so)
         dups += int(t._cv[T.TB_STG_DUPS])
         checker.read()
-    for s in ops.streams:
-        ops.release(s)
-    ops.synchronize()
-    return dups, checker.disagreements()
+    return dups, _finish(ops, checker)
 
 
 def _array_entry_run(ops_cls, graphs) -> int:
@@ -373,10 +375,7 @@ def _array_entry_run(ops_cls, graphs) -> int:
         apply_through_arrays(t, so)
         checker.read()
         ops.run_some(rng.randrange(0, 5))
-    for s in ops.streams:
-        ops.release(s)
-    ops.synchronize()
-    return checker.disagreements()
+    return _finish(ops, checker)
 
 
 # ----------------------------------------------------------------------------

@@ -10,7 +10,7 @@ from test_index import (  # noqa: F401
     test_rejected_calls_change_nothing,
 )
 
-from mtpstate._kernels.native import JIT_DISABLED
+from mtpstate._kernels.jit import JIT_DISABLED
 
 pytestmark = pytest.mark.skipif(not JIT_DISABLED, reason="collected again by `make test` under NUMBA_DISABLE_JIT=1")
 

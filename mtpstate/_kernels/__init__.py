@@ -1,8 +1,14 @@
-"""numba kernels, private, one module per phase of a step.
+"""numba kernels, private, one concern per module.
 
-Data flow: ``native`` (loads, stores and CPython C-API calls as numba
-intrinsics) -> ``index`` (the request id -> row hash index) -> ``step``
-(finish, add, update of one scheduler step) -> ``arrays`` (the array entry
-point). The Python API (``mtpstate.index``, ``mtpstate.table``) launches them
-with integer arguments only.
+Data flow of a step: ``jit`` (the decorator options) and ``native`` (loads,
+stores and CPython C-API calls as numba intrinsics) under ``pyobjects``
+(Python objects read in place: ids, lists, ints, vectors, dicts), which
+every kernel calls into; ``status`` and ``slots`` (what a kernel reports,
+and the named slots of its contexts); then ``step`` (the step kernel, phase
+by phase) with ``index`` (the request id -> row hash index),
+``new_requests`` (a step's new requests read, validated, written),
+``writes`` (element writes staged for the mirror) and ``batch`` (the step's
+batch); ``arrays`` is the array entry point. The Python API
+(``mtpstate.index``, ``mtpstate.table``) launches them with integer
+arguments only.
 """

@@ -20,60 +20,26 @@ from __future__ import annotations
 
 import numpy as np
 
-from mtpstate._kernels.index import (
-    E_BATCH_SIZE,
-    E_CHANGED,
-    E_COUNT_VALUE,
-    E_DUPLICATE,
-    E_INT_RANGE,
-    E_NOT_CANONICAL,
-    E_TOTAL,
-    E_UNKNOWN,
-    FLD_COUNT,
-    FLD_DRAFTS,
-    FLD_REQ_ID,
-    FLD_TOTAL,
-    INT32_MAX,
-    IX_DICT_OK,
-    OK,
-    PH_BATCH,
-    PH_SPEC,
-    _hash_key,
-    _int_of,
-    _item,
-    _ix_arrays,
-    _ix_params,
-    _key_of,
-    _probe,
-    _raw_equal,
-    _table_find,
-)
+from mtpstate._kernels.index import _hash_key, _ix_arrays, _ix_params, _probe, _raw_equal, _table_find
+from mtpstate._kernels.jit import jit
 from mtpstate._kernels.native import (
-    DICT_MA_KEYS,
     DICT_MA_USED,
-    DICT_MA_VALUES,
-    DK_INDICES,
-    DK_KIND,
-    DK_LOG2_INDEX_BYTES,
-    DK_NENTRIES,
     OFF_ITEMS,
     OFF_SIZE,
     OFF_TYPE,
-    dict_next,
     err_clear,
     incref,
-    jit,
     ld32,
     ld64,
     list_new,
     list_set_item,
     load_i64,
-    load_u8,
     st8,
     st32,
     st64,
     view_i64,
 )
+from mtpstate._kernels.pyobjects import _dict_item, _dict_open, _int_of, _item, _key_of
 from mtpstate._kernels.slots import (
     B_DRAFTS,
     B_MAXSEQ,
@@ -93,6 +59,7 @@ from mtpstate._kernels.slots import (
     F_MAXSEQ,
     F_NCPT,
     F_PREFILL,
+    IX_DICT_OK,
     N_KEY,
     NEW_STRIDE,
     S_FREE,
@@ -114,6 +81,24 @@ from mtpstate._kernels.slots import (
     TB_SCR,
     _err,
 )
+from mtpstate._kernels.status import (
+    E_BATCH_SIZE,
+    E_CHANGED,
+    E_COUNT_VALUE,
+    E_DUPLICATE,
+    E_INT_RANGE,
+    E_NOT_CANONICAL,
+    E_TOTAL,
+    E_UNKNOWN,
+    FLD_COUNT,
+    FLD_DRAFTS,
+    FLD_REQ_ID,
+    FLD_TOTAL,
+    INT32_MAX,
+    OK,
+    PH_BATCH,
+    PH_SPEC,
+)
 
 
 @jit
@@ -133,36 +118,6 @@ def _row_of_key(ptr, klen, lookup):
     if r >= 0 and nfreed > 0 and ld32(a_scr, S_FREE * R + r) == stamp:
         return -1  # freed by this step (a re-sent id was found among the new ones above)
     return r
-
-
-@jit
-def _dict_open(d, dict_ok):
-    """(direct, entries, entry size, entry count) of an exact dict: its
-    entries are read in place when the layout was verified at import and
-    the table is combined; otherwise (0, ...) and PyDict_Next is used."""
-    if dict_ok != 0 and load_i64(d + DICT_MA_VALUES) == 0:
-        dk = load_i64(d + DICT_MA_KEYS)
-        kind = load_u8(dk + DK_KIND)
-        if kind == 0 or kind == 1:
-            stride = 16 if kind == 1 else 24
-            entries = dk + DK_INDICES + (np.int64(1) << np.int64(load_u8(dk + DK_LOG2_INDEX_BYTES)))
-            return 1, entries, stride, load_i64(dk + DK_NENTRIES)
-    return 0, 0, 0, 0
-
-
-@jit(inline="always")
-def _dict_item(d, direct, base, stride, nent, j):
-    """(found, next j, key, value) of the first item at entry >= j (the
-    ``ppos`` of PyDict_Next); borrowed references."""
-    if direct != 0:
-        while j < nent:
-            e = base + stride * j
-            j += 1
-            v = load_i64(e + stride - 8)
-            if v != 0:
-                return 1, j, load_i64(e + stride - 16), v
-        return 0, j, 0, 0
-    return dict_next(d, j)
 
 
 @jit

@@ -1,5 +1,7 @@
-"""numba kernels of the request-id -> row hash index, and the primitives on
-ids, ints and lists the step kernels share (status codes, phases, fields).
+"""The request-id -> row hash index: open addressing with linear probing,
+a row's key bytes stored with it (compared in full before a row is
+returned), backward-shift deletion, an arena for long keys; the entry
+kernels ``ix_*`` behind ``mtpstate.index.RequestIndex``.
 
 Private. The Python API (``index.py``, ``table.py``) launches these with
 integer arguments only: addresses of Python objects (``id(obj)``, kept alive by
@@ -17,130 +19,50 @@ from __future__ import annotations
 
 import numpy as np
 
+from mtpstate._kernels.jit import jit
 from mtpstate._kernels.native import (
-    OFF_ITEMS,
-    OFF_SIZE,
-    OFF_TYPE,
-    STR_STATE_OFFSET,
-    bytes_data,
     fmix,
-    int_value,
-    jit,
-    ld64,
-    load_i32,
-    load_i64,
     load_u8,
-    load_u32,
     load_u64,
     mix,
-    str_utf8,
     view_i32,
     view_i64,
     view_u64,
 )
-
-# ----------------------------------------------------------------------------
-# status codes
-
-OK = 0
-E_NOT_CANONICAL = 1  # a type the fast path does not take: normalize in Python, retry
-E_KEY_TOO_LONG = 2  # the key arena is too small for this call's long ids: grow it in Python, retry
-E_STAGE_FULL = 3  # staging buffer too small: grow in Python, retry
-E_NOT_STR = 4
-E_UNKNOWN = 5
-E_DUPLICATE = 6
-E_LIVE = 7
-E_CAPACITY = 8
-E_NCT_RANGE = 9
-E_NEW_NCT_RANGE = 10
-E_TOO_LONG = 11
-E_GROUPS = 12
-E_BLOCK_OVERFLOW = 13
-E_BLOCK_VALUE = 14
-E_TOKEN_VALUE = 15
-E_MAX_TOKENS = 16
-E_LENGTHS = 17
-E_INT_RANGE = 18  # an int outside int64 (or outside what its field allows)
-E_ID_TOO_LONG = 19  # a request id longer than max_id_bytes
-E_CHANGED = 20  # a dict's item count disagrees with its items (defensive: the GIL is held)
-E_COUNT_VALUE = 21  # a scheduled-token count outside [0, 2**31)
-E_TOTAL = 22  # total_num_scheduled_tokens differs from the sum of the counts
-E_BATCH_SIZE = 23  # more scheduled requests than rows
-E_NEW_SLOW = 24  # a new request's attribute of a type not read in place: read the new requests in Python, retry
-E_NEW_READ = 25  # reading a new request's attribute raised (the exception is in the holder list)
-
-# phases, reported in the error context: which input the failing item is in
-PH_FINISH = 0  # finished_req_ids
-PH_NEW = 1  # scheduled_new_reqs
-PH_CACHED = 2  # scheduled_cached_reqs
-PH_PREEMPT = 3  # preempted_req_ids
-PH_RESUMED = 4  # scheduled_cached_reqs.resumed_req_ids
-PH_BATCH = 5  # num_scheduled_tokens
-PH_SPEC = 6  # scheduled_spec_decode_tokens
-
-# fields, reported in the error context: which attribute of the item
-FLD_NONE = 0
-FLD_REQ_ID = 1
-FLD_PROMPT_LEN = 2
-FLD_TOKENS = 3  # prefill_token_ids
-FLD_NCT = 4  # num_computed_tokens
-FLD_MAX_TOKENS = 5
-FLD_BLOCKS = 6  # block_ids / new_block_ids
-FLD_COUNT = 7  # the value of a num_scheduled_tokens entry
-FLD_DRAFTS = 8  # the value of a scheduled_spec_decode_tokens entry
-FLD_TOTAL = 9  # total_num_scheduled_tokens
-
-# kinds of int vectors the kernels read in place (token ids, counts)
-V_OBJ = 0  # an exact list or tuple of exact ints: addr is the object
-V_ARRAY = 1  # an array.array (or subclass): addr is the object, layout read at kernel time
-V_I32 = 2  # raw C-contiguous buffers: addr is the data, length given
-V_I64 = 3
-V_U32 = 4
-V_U64 = 5
-
-INT32_MAX = 2147483647
-
-# ----------------------------------------------------------------------------
-# index context: int64 array, one named slot each
-
-IX_SLOTS = 0  # addr int64[table_size]: (hash tag << 32 | row) per slot, -1 empty
-IX_MASK = 1  # table_size - 1
-IX_ROW_HASH = 2  # addr uint64[capacity]
-IX_KEYS = 3  # addr uint64[capacity * KEY_WORDS]: per row [length, UTF-8 bytes zero padded] (see _key_matches_row)
-IX_KW = 4  # KEY_WORDS
-IX_KEY_LEN = 5  # addr int32[capacity]: key length, -1 = free row
-IX_CAP = 6
-IX_NUM_LIVE = 7
-IX_FREE_HINT = 8  # every row below it is live
-IX_SEED = 9
-IX_HMASK = 10  # hash bits kept (tests force collisions with a small mask)
-IX_ALLOW_BYTES = 11  # set by the generic path for ids without a UTF-8 form
-IX_ERR_POS = 12
-IX_ERR_ARG = 13
-IX_ERR_PHASE = 14
-# Addresses of the builtin types and singletons. They change from process to
-# process (ASLR), so they are read at run time, never frozen into the cached
-# machine code as constants.
-IX_T_LIST = 15
-IX_T_TUPLE = 16
-IX_T_STR = 17
-IX_T_BYTES = 18
-IX_T_INT = 19
-IX_NONE = 20
-IX_TRUE = 21
-IX_FALSE = 22
-IX_ASCII_OFF = 23  # data offset of compact ASCII str objects, 0 = read them through the C API
-IX_MAX_KEY = 24  # max_id_bytes: longer ids are refused (new) or cannot be live (lookups)
-IX_ARRAY_OK = 25  # 1: array.array's object layout was verified at import (ob_item, ob_descr)
-IX_T_DICT = 26
-IX_DICT_OK = 27  # 1: dict entries are read in place (layout verified at import), 0: PyDict_Next
-# the arena of long keys (longer than INLINE_BYTES): uint64 words, bump
-# allocated; a row's words stay until the Python side compacts the arena
-IX_ARENA = 28  # addr uint64[IX_ARENA_CAP]
-IX_ARENA_CAP = 29
-IX_ARENA_TOP = 30  # words allocated so far
-IX_ARENA_LIVE = 31  # words of live keys
-IX_SIZE = 32
+from mtpstate._kernels.pyobjects import _item, _key_of, _pytypes, _seq
+from mtpstate._kernels.slots import (
+    IX_ALLOW_BYTES,
+    IX_ARENA,
+    IX_ARENA_CAP,
+    IX_ARENA_LIVE,
+    IX_ARENA_TOP,
+    IX_CAP,
+    IX_ERR_ARG,
+    IX_ERR_PHASE,
+    IX_ERR_POS,
+    IX_FREE_HINT,
+    IX_HMASK,
+    IX_KEY_LEN,
+    IX_KEYS,
+    IX_KW,
+    IX_MASK,
+    IX_MAX_KEY,
+    IX_NUM_LIVE,
+    IX_ROW_HASH,
+    IX_SEED,
+    IX_SIZE,
+    IX_SLOTS,
+)
+from mtpstate._kernels.status import (
+    E_CAPACITY,
+    E_DUPLICATE,
+    E_ID_TOO_LONG,
+    E_KEY_TOO_LONG,
+    E_LIVE,
+    E_NOT_CANONICAL,
+    E_UNKNOWN,
+    OK,
+)
 
 # a row's key: [length, 7 words of bytes] inline; a longer key keeps
 # [length, its address in the arena, its first 6 words] inline
@@ -154,39 +76,6 @@ def _set_err(ctx, code, pos, arg, phase):
     ctx[IX_ERR_ARG] = arg
     ctx[IX_ERR_PHASE] = phase
     return code
-
-
-@jit
-def _pytypes(ctx):
-    return (
-        ctx[IX_T_LIST],
-        ctx[IX_T_TUPLE],
-        ctx[IX_T_STR],
-        ctx[IX_T_BYTES],
-        ctx[IX_T_INT],
-        ctx[IX_NONE],
-        ctx[IX_TRUE],
-        ctx[IX_FALSE],
-        ctx[IX_ASCII_OFF],
-        ctx[IX_T_DICT],
-    )
-
-
-@jit
-def _key_of(obj, allow_bytes, tp):
-    """(UTF-8 address, length, status) of a request id object."""
-    t = load_i64(obj + OFF_TYPE)
-    if t == tp[2]:
-        if tp[8] != 0 and (load_u32(obj + STR_STATE_OFFSET) & np.uint64(0x60)) == np.uint64(0x60):
-            # compact ASCII: the bytes follow the header, no call needed
-            return obj + tp[8], load_i64(obj + OFF_SIZE), OK
-        ptr, n = str_utf8(obj)
-        if ptr == 0:
-            return 0, 0, E_NOT_CANONICAL
-        return ptr, n, OK
-    if allow_bytes != 0 and t == tp[3]:
-        return bytes_data(obj), load_i64(obj + OFF_SIZE), OK
-    return 0, 0, E_NOT_CANONICAL
 
 
 @jit(inline="always")
@@ -231,82 +120,6 @@ def _raw_equal(p1, n1, p2, n2):
         if _key_word(p1, n1, i) != _key_word(p2, n2, i):
             return False
     return True
-
-
-@jit(signature="Tuple((int64, int64, boolean))(int64, UniTuple(int64, 10))")
-def _seq(obj, tp):
-    """(item pointer array, length, ok) of an exact list or tuple."""
-    t = load_i64(obj + OFF_TYPE)
-    if t == tp[0]:
-        return load_i64(obj + OFF_ITEMS), load_i64(obj + OFF_SIZE), True
-    if t == tp[1]:
-        return obj + OFF_ITEMS, load_i64(obj + OFF_SIZE), True
-    return 0, 0, False
-
-
-# the i-th object address of an item pointer array (a list's ob_item, a tuple's
-# inline items): an intrinsic, so the 30-odd call sites cost no inlining pass
-_item = ld64
-
-
-@jit
-def _int_of(obj, tp):
-    """(value, status) of an exact int; E_INT_RANGE outside int64,
-    E_NOT_CANONICAL for anything that is not an exact int."""
-    if load_i64(obj + OFF_TYPE) != tp[4]:
-        return 0, E_NOT_CANONICAL
-    v, ok = int_value(obj)
-    if not ok:
-        return 0, E_INT_RANGE
-    return v, OK
-
-
-@jit
-def _vec(kind, addr, n, tp, array_ok):
-    """(kind, base, length, status) of an int vector given as (kind, addr,
-    n): for V_OBJ the base is the item pointer array, for V_ARRAY the raw
-    kind of the array's data; raw kinds pass through."""
-    if kind == V_OBJ:
-        items, m, ok = _seq(addr, tp)
-        return V_OBJ, items, m, (OK if ok else E_NOT_CANONICAL)
-    if kind == V_ARRAY:
-        if array_ok == 0:
-            return V_OBJ, 0, 0, E_NOT_CANONICAL
-        # arrayobject: ob_size @16, ob_item @24, ob_descr @40 -> {char typecode; int itemsize}
-        data = load_i64(addr + OFF_ITEMS)
-        m = load_i64(addr + OFF_SIZE)
-        descr = load_i64(addr + 40)
-        code = np.int64(load_u8(descr))
-        size = np.int64(load_u32(descr + 4))
-        if code == 105 or code == 108 or code == 113:  # 'i', 'l', 'q'
-            if size == 4:
-                return V_I32, data, m, OK
-            if size == 8:
-                return V_I64, data, m, OK
-        if code == 73 or code == 76 or code == 81:  # 'I', 'L', 'Q'
-            if size == 4:
-                return V_U32, data, m, OK
-            if size == 8:
-                return V_U64, data, m, OK
-        return V_OBJ, 0, 0, E_NOT_CANONICAL
-    return kind, addr, n, OK
-
-
-@jit(inline="always")
-def _vget(kind, base, j, tp):
-    """(value, status) of element j of a vector from ``_vec``."""
-    if kind == V_OBJ:
-        return _int_of(_item(base, j), tp)
-    if kind == V_I32:
-        return np.int64(load_i32(base + 4 * j)), OK
-    if kind == V_I64:
-        return load_i64(base + 8 * j), OK
-    if kind == V_U32:
-        return np.int64(load_u32(base + 4 * j)), OK
-    u = load_u64(base + 8 * j)
-    if u > np.uint64(9223372036854775807):
-        return 0, E_INT_RANGE
-    return np.int64(u), OK
 
 
 @jit

@@ -24,37 +24,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from mtpstate._kernels.index import (
-    E_BLOCK_OVERFLOW,
-    E_BLOCK_VALUE,
-    E_CHANGED,
-    E_GROUPS,
-    E_INT_RANGE,
-    E_MAX_TOKENS,
-    E_NEW_NCT_RANGE,
-    E_NEW_READ,
-    E_NEW_SLOW,
-    E_NOT_CANONICAL,
-    E_TOKEN_VALUE,
-    E_TOO_LONG,
-    FLD_BLOCKS,
-    FLD_MAX_TOKENS,
-    FLD_NCT,
-    FLD_NONE,
-    FLD_PROMPT_LEN,
-    FLD_TOKENS,
-    INT32_MAX,
-    OK,
-    PH_NEW,
-    V_ARRAY,
-    V_I32,
-    V_OBJ,
-    _int_of,
-    _item,
-    _seq,
-    _vec,
-    _vget,
-)
+from mtpstate._kernels.jit import jit
 from mtpstate._kernels.native import (
     OFF_SIZE,
     OFF_TYPE,
@@ -62,7 +32,6 @@ from mtpstate._kernels.native import (
     getattr_held,
     incref,
     is_subtype,
-    jit,
     ld32,
     list_new,
     list_set_item,
@@ -71,6 +40,7 @@ from mtpstate._kernels.native import (
     st64,
     view_i64,
 )
+from mtpstate._kernels.pyobjects import _int_of, _item, _seq, _vec, _vget
 from mtpstate._kernels.slots import (
     ENG_NCT,
     ENG_TOTAL_LEN,
@@ -117,6 +87,32 @@ from mtpstate._kernels.slots import (
     TB_TOK,
     TB_TOK_EXT,
     _err,
+)
+from mtpstate._kernels.status import (
+    E_BLOCK_OVERFLOW,
+    E_BLOCK_VALUE,
+    E_CHANGED,
+    E_GROUPS,
+    E_INT_RANGE,
+    E_MAX_TOKENS,
+    E_NEW_NCT_RANGE,
+    E_NEW_READ,
+    E_NEW_SLOW,
+    E_NOT_CANONICAL,
+    E_TOKEN_VALUE,
+    E_TOO_LONG,
+    FLD_BLOCKS,
+    FLD_MAX_TOKENS,
+    FLD_NCT,
+    FLD_NONE,
+    FLD_PROMPT_LEN,
+    FLD_TOKENS,
+    INT32_MAX,
+    OK,
+    PH_NEW,
+    V_ARRAY,
+    V_I32,
+    V_OBJ,
 )
 from mtpstate._kernels.writes import _check_int31_list, _write_group
 

@@ -1,13 +1,14 @@
-"""Named slots of the contexts and argument tuple the step kernels share.
+"""Named slots of the contexts and argument tuple the kernels share.
 
-One place for every index into the table context (``TB_*``), the state
+One place for every index into the index context (``IX_*``: the hash
+table's arrays, the builtin types' addresses), the table context (``TB_*``), the state
 array's fields (``F_*``), the scratch rows (``S_*``), the batch arrays
 (``B_*``, ``BB_*``, ``BO_*``), a new request's descriptor (``N_*``) and the
 step's argument tuple (``A_*``). The Python side (table.py, mirror.py) and the
 kernels (step.py, batch.py) read them from here.
 """
 
-from mtpstate._kernels.native import jit
+from mtpstate._kernels.jit import jit
 
 # per-row int32 fields of the state array, [NUM_FIELDS, max_num_reqs]
 F_NCT = 0  # num_computed_tokens
@@ -196,3 +197,46 @@ def _err(tb, code, pos, arg, phase, field):
     tb[TB_ERR_PHASE] = phase
     tb[TB_ERR_FIELD] = field
     return code
+
+
+# ----------------------------------------------------------------------------
+# the index context (mtpstate.index.RequestIndex): int64 array, one named slot each
+
+IX_SLOTS = 0  # addr int64[table_size]: (hash tag << 32 | row) per slot, -1 empty
+IX_MASK = 1  # table_size - 1
+IX_ROW_HASH = 2  # addr uint64[capacity]
+IX_KEYS = 3  # addr uint64[capacity * KEY_WORDS]: per row [length, UTF-8 bytes zero padded] (see _key_matches_row)
+IX_KW = 4  # KEY_WORDS
+IX_KEY_LEN = 5  # addr int32[capacity]: key length, -1 = free row
+IX_CAP = 6
+IX_NUM_LIVE = 7
+IX_FREE_HINT = 8  # every row below it is live
+IX_SEED = 9
+IX_HMASK = 10  # hash bits kept (tests force collisions with a small mask)
+IX_ALLOW_BYTES = 11  # set by the generic path for ids without a UTF-8 form
+IX_ERR_POS = 12
+IX_ERR_ARG = 13
+IX_ERR_PHASE = 14
+# Addresses of the builtin types and singletons. They change from process to
+# process (ASLR), so they are read at run time, never frozen into the cached
+# machine code as constants.
+IX_T_LIST = 15
+IX_T_TUPLE = 16
+IX_T_STR = 17
+IX_T_BYTES = 18
+IX_T_INT = 19
+IX_NONE = 20
+IX_TRUE = 21
+IX_FALSE = 22
+IX_ASCII_OFF = 23  # data offset of compact ASCII str objects, 0 = read them through the C API
+IX_MAX_KEY = 24  # max_id_bytes: longer ids are refused (new) or cannot be live (lookups)
+IX_ARRAY_OK = 25  # 1: array.array's object layout was verified at import (ob_item, ob_descr)
+IX_T_DICT = 26
+IX_DICT_OK = 27  # 1: dict entries are read in place (layout verified at import), 0: PyDict_Next
+# the arena of long keys (longer than INLINE_BYTES): uint64 words, bump
+# allocated; a row's words stay until the Python side compacts the arena
+IX_ARENA = 28  # addr uint64[IX_ARENA_CAP]
+IX_ARENA_CAP = 29
+IX_ARENA_TOP = 30  # words allocated so far
+IX_ARENA_LIVE = 31  # words of live keys
+IX_SIZE = 32

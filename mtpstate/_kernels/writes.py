@@ -6,8 +6,10 @@ from __future__ import annotations
 
 import numpy as np
 
-from mtpstate._kernels.index import E_INT_RANGE, E_NOT_CANONICAL, INT32_MAX, OK, _int_of, _item, _seq
-from mtpstate._kernels.native import jit, ld32, st32, st64
+from mtpstate._kernels.jit import jit
+from mtpstate._kernels.native import ld32, st32, st64
+from mtpstate._kernels.pyobjects import _int_of, _item, _seq
+from mtpstate._kernels.status import E_INT_RANGE, E_NOT_CANONICAL, INT32_MAX, OK
 
 
 @jit

@@ -472,7 +472,7 @@ def run(
     staged writes); print the report, write the JSON and plot if asked
     (``wrote(path)`` is called for each file written)."""
     from mtpstate import warmup
-    from mtpstate._kernels.native import COMPILE_NOTICE
+    from mtpstate._kernels.jit import COMPILE_NOTICE
     from mtpstate.tools.bench_device import DEVICE_SIZES, DEVICE_WORKLOADS, bench_device, format_device_report
 
     sizes_given = sizes

@@ -419,7 +419,7 @@ def _cmd_bench(args) -> None:
 
 def _cmd_warmup(args) -> None:
     import mtpstate
-    from mtpstate._kernels.native import COMPILE_NOTICE
+    from mtpstate._kernels.jit import COMPILE_NOTICE
 
     t = mtpstate.warmup()
     how = "compiled now" if COMPILE_NOTICE.total_s > 0 else "loaded from numba's on-disk cache"

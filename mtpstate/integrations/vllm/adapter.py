@@ -24,7 +24,8 @@ import operator
 
 import numpy as np
 
-from mtpstate.table import RequestTable, StepResult
+from mtpstate.results import StepResult
+from mtpstate.table import RequestTable
 
 __all__ = ["ModelRunnerV2State"]
 
