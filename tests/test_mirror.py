@@ -551,3 +551,42 @@ def test_device_idx_mapping_and_new_rows_zeroed_on_the_host_path():
         RequestTable(
             max_num_reqs=2, max_model_len=8, device="cpu", mirror_options={"zero_rows_on_add": (torch.zeros(3, 2),)}
         )
+
+
+@pytest.mark.cuda
+@cuda
+def test_cuda_one_graph_launch_per_step():
+    """On a GPU, what the design promises: each step's device work is one
+    graph launch (no copy or kernel launched one by one), in the vLLM
+    adapter's configuration, with and without arrivals, as the CUDA runtime
+    calls recorded by the profiler count them."""
+    from torch.profiler import ProfilerActivity, profile
+
+    R, L = 64, 512
+    sim = Simulator(max_num_reqs=R, max_model_len=L, num_spec=3, prompt_len=(1, 100), output_len=(5, 60), seed=2)
+    target = torch.zeros((R, L), dtype=torch.int32, device="cuda")
+    drafts = torch.zeros((R, 3), dtype=torch.int64, device="cuda")
+    t = RequestTable(
+        max_num_reqs=R,
+        max_model_len=L,
+        device="cuda",
+        decode_query_len=4,
+        mirror_options=engine_mirror_options(target, idx_mapping=True, zero_rows_on_add=(drafts,)),
+    )
+    assert t._mirror.path == "graph", t._mirror.graph_error
+    steps = list(sim.run(40))
+    for so in steps[:10]:
+        t.apply(so)
+    torch.cuda.synchronize()
+    arrivals = sum(1 for so in steps[10:] if so.scheduled_new_reqs)
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for so in steps[10:]:
+            t.apply(so)
+    torch.cuda.synchronize()
+    names = [e.name for e in prof.events()]
+    runtime = [n for n in names if n.startswith("cuda")]
+    if not runtime:
+        pytest.skip("the profiler recorded no CUDA runtime calls here (no CUPTI)")
+    launches = sum("GraphLaunch" in n for n in runtime)
+    assert arrivals > 0 and launches == len(steps) - 10, (launches, arrivals)
+    assert not [n for n in runtime if "LaunchKernel" in n or "MemcpyAsync" in n], sorted(set(runtime))

@@ -2,14 +2,15 @@
 torch, numba, pytest, pytest-benchmark and hypothesis installed and no
 network, in under 8 minutes:
 
-1. the ``cuda``-marked tests: device equality; slots never refilled while a
-   copy from them is in flight, checked in stream order after every step;
-   apply returning before its copy lands; the ring-reuse stress test at
-   async depths 2 and 3; the row-upload ring (the vLLM adapter's
-   ``idx_mapping`` and new rows) under a held-back stream; work already
+1. the ``cuda``-marked tests: device equality on the graph path; slots
+   never refilled while a replay from them is in flight, checked in stream
+   order after every step; apply returning before its work lands; the
+   ring-reuse stress test at async depths 2 and 3, the consumer moving
+   between streams; the row-upload ring under a held-back stream; work already
    queued on the consumer's stream reading the old state; the array entry
    point and same-step duplicate writes; the vLLM adapter's engine
-   configuration under held-back copies; host token writes refused;
+   configuration under a held-back stream; one graph launch per step (the
+   profiler's CUDA runtime calls); host token writes refused;
 2. the device benchmark (``mtpstate bench --only device``: at N = 1, 16,
    256, 1024, 4096, steady and mixed, apply without the mirror, with it
    (host time), until it lands, and the same step's upload done vLLM's
