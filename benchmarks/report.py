@@ -278,9 +278,10 @@ def device_table(name: str, how: str) -> str:
     lines = [
         machine_line(m),
         f"Device: {m['mirror_device']}; mirror path: {facts['mirror_path']}; vLLM's way: {facts['vllm_way']}.",
+        "Median us per step; paired: median (p10-p90) of the per-step differences (us) or ratios.",
         "",
-        "| step | N | apply, no mirror | apply with mirror | mirror - none (paired) | mirror lands | lands - apply "
-        "| vLLM-way lands | vLLM-way / mirror lands (paired) |",
+        "| step | N | apply, no mirror | apply with mirror | with - without (paired) | mirror lands | lands - apply "
+        "(paired) | vLLM-way lands | vLLM-way / mirror lands (paired) |",
         "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
 
