@@ -235,6 +235,7 @@ class DeviceMirror:
             self._host_tok_tensor = torch.zeros((R, L), dtype=torch.int32)
         self._cap = staging_capacity or max(1024, 4 * R)
         self._want_graphs = bool(graphs)
+        self._warmed = False  # the graphs' operations ran once eagerly (see _warm_up)
         self.path = None  # "graph", "eager" or "host": how each step's device work is issued
         self.graph_error = None  # why graphs are not in use, where they were wanted
         self._slots = []
@@ -380,14 +381,9 @@ class DeviceMirror:
     def _capture_all(self):
         ops = self.ops
         kinds = self._kinds()
-        # one eager run of each kind (lazy module loads happen outside any
-        # capture), on zeroed buffers: nothing staged, padding to the spare
-        # element; the token target's and filled tensors' row 0 get 0, which
-        # no live request holds yet (or still)
-        s0 = self._slots[0]
-        for v in kinds:
-            self._graph_work(s0, 0, v)()
-        ops.synchronize()
+        if not self._warmed:
+            self._warm_up()
+            self._warmed = True
         pool = None
         for s in self._slots:
             for bi in range(len(self._sizes)):
@@ -397,6 +393,29 @@ class DeviceMirror:
                         pool = g.pool()  # one memory pool for all: the replays never overlap
                     s.graphs[v, bi] = g
         ops.synchronize()
+
+    def _warm_up(self):
+        """Each operation the graphs hold, run once eagerly (so that lazy
+        module loads happen outside any capture) on the first slot's own
+        buffers and on scratch tensors: nothing an engine holds is written."""
+        torch = self._torch
+        s0 = self._slots[0]
+        pos_b, val_b, dpos_b, dval_b = s0.views[0]
+        dev = dpos_b.device
+        dpos_b.copy_(pos_b, non_blocking=True)
+        dval_b.copy_(val_b, non_blocking=True)
+        iota = torch.arange(self._sizes[0], dtype=torch.int64, device=dev)
+        live = (iota >= dpos_b[1]) & (iota < dpos_b[0])  # none: the header is zero
+        at = torch.where(live, dpos_b[META:], torch.zeros((), dtype=torch.int64, device=dev))
+        vals = torch.where(live, dval_b, dval_b[0])
+        torch.zeros(1, dtype=torch.int32, device=dev).index_copy_(0, at, vals)
+        if s0.idx is not None:
+            s0.didx.copy_(s0.idx, non_blocking=True)
+        if s0.rows is not None:
+            s0.drows.copy_(s0.rows, non_blocking=True)  # zeros: row 0 of each scratch below
+        for z in self._fills:
+            torch.zeros((1, *z.shape[1:]), dtype=z.dtype, device=z.device).index_fill_(0, s0.drows, 0)
+        self.ops.synchronize()
 
     def _graph_work(self, slot, bi, kind):
         """The device work of one step of ``kind`` whose staged elements fit

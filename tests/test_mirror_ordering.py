@@ -223,7 +223,7 @@ def _plain(ops, depth, R=48, L=512):
     return t, Checker(ops, t)
 
 
-def _engine(ops, depth, R=48, L=512):
+def _engine(ops, depth, R=48, L=512, **options):
     """The vLLM adapter's configuration: three fields, engine lengths, new
     token ids into an engine tensor, the batch's idx_mapping, new rows'
     drafts zeroed; all in the step's one replay."""
@@ -236,7 +236,7 @@ def _engine(ops, depth, R=48, L=512):
         device="cpu",
         decode_query_len=DQL,
         mirror_options=engine_mirror_options(
-            target, ring_depth=depth, ops=ops, idx_mapping=True, zero_rows_on_add=(drafts,)
+            target, ring_depth=depth, ops=ops, idx_mapping=True, zero_rows_on_add=(drafts,), **options
         ),
     )
     seeds = EngineSeeds()
@@ -314,6 +314,18 @@ def _engine_run(ops_cls, depth, graphs) -> int:
         if ops_cls is DeferredOps:
             raise
         return 1
+
+
+@pytest.mark.parametrize("graphs", [True, False], ids=["graph", "eager"])
+def test_staging_growth_mid_run_on_deferred_device(graphs):
+    """Staging that starts tiny grows (graphs recaptured) while requests are
+    live: the recapture writes nothing an engine holds (its token tensor,
+    the tensors zeroed on add), and every read still agrees."""
+    ops = DeferredOps(torch, seed=21, graphs=graphs)
+    t, checker, seeds = _engine(ops, 2, staging_capacity=8)
+    before = t._mirror._cap
+    assert _drive(ops, t, checker, _sim(48, 512, 21), 120, 21, seeds=seeds, switch=0.1) == 0
+    assert t._mirror._cap > before and t._mirror.path == ("graph" if graphs else "eager")
 
 
 def test_host_token_ids_refused_on_an_asynchronous_device():
