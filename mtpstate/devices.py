@@ -18,7 +18,9 @@ implementations:
   an event completes only when the work queued before its record has run; a
   stream wait holds the waiting stream's later work until the other stream
   has reached the point of the wait; of several writes of a scatter to one
-  element, the first wins (on a GPU which one wins is undefined). Tests can
+  element, the first wins (on a GPU which one wins is undefined); a graph
+  holds its captured work weakly, as a CUDA graph holds no reference to the
+  tensors it reads. Tests can
   hold a stream back, run the queued work in any legal order, count every
   operation issued (``issued``), and make the k-th operation fail
   (``fail_at``), which is how CI checks the ordering and the fault handling
@@ -30,6 +32,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import random
+import weakref
 
 __all__ = ["CudaOps", "DeferredOps", "DeviceOps", "ImmediateOps", "ops_for"]
 
@@ -213,10 +216,12 @@ class _Event:
 
 
 class _Graph:
-    """Captured work: the function, run later when a replay reaches it."""
+    """Captured work, run later when a replay reaches it. Held weakly, as a
+    CUDA graph holds the memory of the tensors it was captured with but no
+    reference to them: the capturer must keep them alive."""
 
     def __init__(self, work):
-        self.work = work
+        self.work = weakref.ref(work)
 
 
 class InjectedFault(RuntimeError):
@@ -318,7 +323,10 @@ class DeferredOps(DeviceOps):
 
     def replay(self, graph):
         self._issue("replay")
-        self._enqueue(self._current, "run", graph.work)  # reads the pinned slot when it runs
+        work = graph.work()
+        if work is None:
+            raise RuntimeError("a graph replayed after the tensors it was captured with were freed")
+        self._enqueue(self._current, "run", work)  # reads the pinned slot when it runs
 
     # -- running the queued work ---------------------------------------------
 

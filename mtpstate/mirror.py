@@ -102,7 +102,7 @@ class _Slot:
         self.rows_np = None if self.rows is None else self.rows.numpy()
         self.event = ops.new_event()
         self.pending = False  # the event was recorded after work that reads this slot
-        self.graphs = {}
+        self.graphs = {}  # (kind, bucket) -> (graph, the captured work, which holds its tensors)
         if ops.asynchronous:
             self.dpos = ops.empty(META + capacity, torch.int64)
             self.dval = ops.empty(capacity, torch.int32)
@@ -388,10 +388,13 @@ class DeviceMirror:
         for s in self._slots:
             for bi in range(len(self._sizes)):
                 for v in kinds:
-                    g = ops.capture(self._graph_work(s, bi, v), pool)
+                    work = self._graph_work(s, bi, v)
+                    g = ops.capture(work, pool)
                     if pool is None and hasattr(g, "pool"):
                         pool = g.pool()  # one memory pool for all: the replays never overlap
-                    s.graphs[v, bi] = g
+                    # the graph reads the tensors the work was captured with
+                    # (its iota, the spare element's index): they live as long
+                    s.graphs[v, bi] = (g, work)
         ops.synchronize()
 
     def _warm_up(self):
@@ -537,7 +540,7 @@ class DeviceMirror:
             self._follow_stream()
         if self.path == "graph":
             kind = V_TOK if n_tok else V_NEW if self._nn else V_PLAIN
-            ops.replay(slot.graphs[kind, bucket_of(n, len(self._sizes) - 1)])
+            ops.replay(slot.graphs[kind, bucket_of(n, len(self._sizes) - 1)][0])
         else:
             self._issue_eagerly(slot, n, n_tok)
         ops.record(slot.event, self._stream)
