@@ -1,7 +1,7 @@
 """Before and after a change to mtpstate, paired, on vLLM's real steps.
 
 Records each workload's scheduler steps once from vLLM 0.34's scheduler
-(``harness.py``'s timing workloads), then times ``RequestTable.apply`` (with
+(the timing workloads of ``mtpstate/tools/vllm_bench/workloads.py``), then times ``RequestTable.apply`` (with
 the batch) for two source trees of mtpstate, in alternating processes
 (A, B, A, B, ...), on the very same steps. Each step's A/B time ratio pairs
 the two; the figure is the median ratio over all steps and runs, with p10 and
@@ -35,15 +35,17 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 
 
 def record(names: list[str], out_dir: str) -> None:
-    """Each workload's steps (pickled), as harness.py's benchmark records them."""
+    """Each workload's steps (pickled), as the vLLM-level benchmark records them."""
     sys.path.insert(0, HERE)
-    import harness
+    from mtpstate.tools.vllm_bench.bench import recorded_steps
+    from mtpstate.tools.vllm_bench.shims import install_cpu_shims
+    from mtpstate.tools.vllm_bench.workloads import BENCH_WORKLOADS, write_model_dir
 
-    harness.install_cpu_shims()
-    model_dir = harness.write_model_dir()
+    install_cpu_shims()
+    model_dir = write_model_dir()
     for name in names:
-        w = harness.BENCH_WORKLOADS[name]
-        blobs, timed, block_sizes = harness._recorded(w, model_dir)
+        w = BENCH_WORKLOADS[name]
+        blobs, timed, block_sizes = recorded_steps(w, model_dir)
         rec = dict(blobs=blobs, timed=timed, bs=block_sizes, R=w.max_num_seqs, L=w.max_model_len, dq=1 + w.num_spec)
         with open(os.path.join(out_dir, f"{name}.pkl"), "wb") as f:
             pickle.dump(rec, f)
@@ -126,7 +128,7 @@ def main(argv=None) -> int:
             results.append(r)
             print(json.dumps(r), flush=True)
     if args.json:
-        from harness import run_machine
+        from mtpstate.tools.vllm_bench.bench import run_machine
 
         machine = run_machine()
         doc = {"machine": machine, "old": _describe(old), "new": _describe(new), "results": results}

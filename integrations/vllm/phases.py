@@ -3,7 +3,7 @@
 Builds a copy of mtpstate (in a temporary directory; the source tree is not
 touched) whose step kernels read the CPU's cycle counter between their
 phases (``llvm.readcyclecounter``, a handful of cycles each), records each
-workload's steps from vLLM 0.34's scheduler (harness.py's timing workloads),
+workload's steps from vLLM 0.34's scheduler (the timing workloads of mtpstate/tools/vllm_bench),
 replays them through ``RequestTable.apply(so).batch`` with 8 MiB of other
 memory traffic between steps, and prints the mean time per step of each
 phase of the general step (``_general``) and of the update-only step
@@ -166,7 +166,7 @@ def main(argv=None) -> int:
             results.append(out)
             print(json.dumps(out), flush=True)
     if args.json:
-        from harness import run_machine
+        from mtpstate.tools.vllm_bench.bench import run_machine
 
         machine = run_machine()
         with open(args.json, "w") as f:

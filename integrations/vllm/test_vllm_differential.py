@@ -1,5 +1,5 @@
 """`make test-vllm`: mtpstate against vLLM 0.34.0's real scheduler and real
-Model Runner V2 state code (see harness.py), and StepResult.batch against
+Model Runner V2 state code (see differential.py), and StepResult.batch against
 its real gather_batch_req_state. Several thousand real steps, 0
 disagreements; the legacy table (increments num_computed_tokens) must
 disagree under speculative decoding, which shows the comparison can fail."""
@@ -12,22 +12,25 @@ import pytest
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-import harness  # noqa: E402
+from differential import run_workload  # noqa: E402
+
+from mtpstate.tools.vllm_bench.shims import install_cpu_shims  # noqa: E402
+from mtpstate.tools.vllm_bench.workloads import WORKLOADS, write_model_dir  # noqa: E402
 
 STEPS = int(os.environ.get("MTPSTATE_VLLM_STEPS", "800"))
 
 
 @pytest.fixture(scope="module")
 def model_dir():
-    harness.install_cpu_shims()
-    return harness.write_model_dir()
+    install_cpu_shims()
+    return write_model_dir()
 
 
-@pytest.mark.parametrize("name", sorted(harness.WORKLOADS))
+@pytest.mark.parametrize("name", sorted(WORKLOADS))
 def test_agrees_with_vllm(model_dir, name):
-    w = harness.WORKLOADS[name]
+    w = WORKLOADS[name]
     w = replace(w, steps=min(w.steps * STEPS // 400, STEPS))
-    r = harness.run_workload(w, model_dir)
+    r = run_workload(w, model_dir)
     print(r)
     assert r["steps"] == w.steps
     assert r["batch_steps"] == w.steps  # StepResult.batch vs gather_batch_req_state, every step

@@ -136,7 +136,9 @@ _KEEP_RECORDS = """
     log.setLevel(logging.DEBUG)
 """
 
-_LOAD = _KEEP_RECORDS + """
+_LOAD = (
+    _KEEP_RECORDS
+    + """
     from vllm.plugins import load_general_plugins
     load_general_plugins()
     hooks = sum(type(f).__name__ == "_PatchOnImport" for f in sys.meta_path)
@@ -150,6 +152,7 @@ _LOAD = _KEEP_RECORDS + """
     print("RESULT", hooks, lazy, sorted(patched), len(nested), plugin.check().applied)
     print("LOGGED", sorted({r.levelname for r in records}))
 """
+)
 
 
 def _lines(p, tag):
@@ -191,13 +194,16 @@ def test_vllm_check(env, rc, needle):
     assert p.returncode == rc and json.loads(p.stdout)["would_apply"] is (rc == 0)
 
 
-_RUNNERS = _KEEP_RECORDS + """
+_RUNNERS = (
+    _KEEP_RECORDS
+    + """
     sys.path.insert(0, {here!r})
-    import harness
-    harness.install_cpu_shims()
-    harness.load_plugin()
-    runners = [harness.MRV2Reference(8, 256, 64, [16], 1, use_mtpstate=True) for _ in range(2)]
-    odd = harness.MRV2Reference(8, 256, 64, [16], 1)
+    from mtpstate.tools.vllm_bench.reference import MRV2Reference, load_plugin
+    from mtpstate.tools.vllm_bench.shims import install_cpu_shims
+    install_cpu_shims()
+    load_plugin()
+    runners = [MRV2Reference(8, 256, 64, [16], 1, use_mtpstate=True) for _ in range(2)]
+    odd = MRV2Reference(8, 256, 64, [16], 1)
     odd.pcp_manager = object()
     from mtpstate.integrations.vllm import ModelRunnerV2State
     assert ModelRunnerV2State.for_runner(odd) is None and ModelRunnerV2State.for_runner(odd) is None
@@ -205,6 +211,7 @@ _RUNNERS = _KEEP_RECORDS + """
     for r in records:
         print("LOG", r.levelname, r.getMessage())
 """
+)
 
 
 def test_one_info_line_per_process():
@@ -216,6 +223,5 @@ def test_one_info_line_per_process():
     assert logged[0].startswith("LOG INFO mtpstate: active;") and "max_num_reqs=8" in logged[0]
     assert "ring depth 2" in logged[0]
     assert logged[1] == (
-        "LOG INFO mtpstate: not used for prefill context parallelism (PCP); "
-        "this runner keeps vLLM's own request state"
+        "LOG INFO mtpstate: not used for prefill context parallelism (PCP); this runner keeps vLLM's own request state"
     )

@@ -2,7 +2,7 @@
 applied by its plugin, through vLLM's own ``load_general_plugins()``. The
 runner's own finish/add/update_requests, gather_batch_req_state and
 prepare_inputs with mtpstate on must agree with vLLM's own methods on every
-step (harness.run_runner_differential), and the controls that corrupt what
+step (differential.run_runner_differential), and the controls that corrupt what
 the mirror ships must disagree."""
 
 import json
@@ -15,7 +15,9 @@ import pytest
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
-import harness  # noqa: E402
+from sabotage import SABOTAGE  # noqa: E402
+
+from mtpstate.tools.vllm_bench.workloads import WORKLOADS  # noqa: E402
 
 STEPS = os.environ.get("MTPSTATE_VLLM_STEPS", "800")
 
@@ -37,7 +39,7 @@ def test_runner_through_plugin_agrees():
     p, results = _harness("--scale-steps", STEPS)
     print(p.stdout)
     assert p.returncode == 0, p.stderr[-3000:]
-    assert len(results) == len(harness.WORKLOADS)
+    assert len(results) == len(WORKLOADS)
     for r in results:
         assert r["steps"] > 0 and r["disagreements"] == 0, r
 
@@ -57,7 +59,7 @@ def test_runner_on_a_deferred_device_one_replay_per_step():
         assert r["ops_per_step"] == {json.dumps({"record": 1, "replay": 1}): 120}, r["ops_per_step"]
 
 
-@pytest.mark.parametrize("kind", sorted(harness.SABOTAGE))
+@pytest.mark.parametrize("kind", sorted(SABOTAGE))
 def test_runner_differential_can_fail(kind):
     """Negative controls: the mirror's copy corrupted (new requests' token
     ids zeroed; total_len / device num_computed_tokens zeroed; prefill/prompt

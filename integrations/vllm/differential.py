@@ -1,0 +1,229 @@
+"""The differentials against vLLM 0.34.0's own code: per-request state and
+batch diffs, the bare-table run (with the legacy negative control) and the
+runner through mtpstate's plugin, compared after every step."""
+
+from __future__ import annotations
+
+import collections
+import json
+import pickle
+
+import numpy as np
+
+from mtpstate.tools.vllm_bench.driver import Driver
+from mtpstate.tools.vllm_bench.reference import MRV2Reference, load_plugin
+from mtpstate.tools.vllm_bench.workloads import Workload
+
+
+def table_state(t) -> dict:
+    """The same fields from an mtpstate table (RequestTable or a loop table)."""
+    out = {}
+    if hasattr(t, "index"):
+        pairs = [(t.index.req_id(int(r)), int(r)) for r in t.index.live_rows()]
+    else:
+        pairs = list(t.req_id_to_index.items())
+    for rid, r in pairs:
+        pl = int(t.prefill_len[r])
+        nb = [int(t.num_blocks[g, r]) for g in range(t.num_groups)]
+        out[rid] = {
+            "num_computed_tokens": int(t.num_computed_tokens[r]),
+            "num_computed_prefill_tokens": int(t.num_computed_prefill_tokens[r]),
+            "prefill_len": pl,
+            "prompt_len": int(t.prompt_len[r]),
+            "max_seq_len": int(t.max_seq_len[r]),
+            "num_blocks": nb,
+            "blocks": [t.block_tables[g][r, : nb[g]].tolist() for g in range(t.num_groups)],
+            "prefill_token_ids": t.token_ids[r, :pl].tolist(),
+            "is_prefilling": bool(t.is_prefilling(np.array([r]))[0]),
+        }
+    return out
+
+
+def diff_states(ref: dict, got: dict, limit: int = 5) -> list[str]:
+    """Disagreements, per request id and field (empty: they agree)."""
+    out = []
+    if set(ref) != set(got):
+        a, b = sorted(set(ref) - set(got))[:3], sorted(set(got) - set(ref))[:3]
+        out.append(f"live ids: only in vLLM {a}, only here {b}")
+    for rid in sorted(set(ref) & set(got)):
+        for k, v in ref[rid].items():
+            if got[rid][k] != v:
+                out.append(f"{rid!r}.{k}: vLLM {str(v)[:60]} vs {str(got[rid][k])[:60]}")
+                if len(out) >= limit:
+                    return out
+    return out
+
+
+BATCH_FIELDS = (
+    "num_scheduled_tokens",
+    "num_tokens",
+    "num_draft_tokens_np",
+    "prefill_len_np",
+    "num_computed_prefill_tokens_np",
+    "is_prefilling_np",
+    "has_prefill",
+    "prefill_runs_as_decode_np",
+    "decode_graph_eligible",
+)
+
+
+def diff_batches(ref, ref_ids_of_rows, got, got_ids_of_rows) -> list[str]:
+    """Disagreements between vLLM's ``BatchReqState`` and mtpstate's batch,
+    field by field; ``idx_mapping_np`` through each side's own rows."""
+    if got is None:
+        return ["batch: None"]
+    out = []
+    if list(got.req_ids) != list(ref.req_ids):
+        out.append(f"batch.req_ids: vLLM {list(ref.req_ids)[:4]} vs {list(got.req_ids)[:4]}")
+    for f in BATCH_FIELDS:
+        a, b = getattr(ref, f), getattr(got, f)
+        if a is None or b is None or not isinstance(a, np.ndarray):
+            same = (a is None) == (b is None) and (a is None or a == b)
+        else:
+            same = a.dtype == b.dtype and np.array_equal(a, b)
+        if not same:
+            out.append(f"batch.{f}: vLLM {str(a)[:60]} vs {str(b)[:60]}")
+    if ref_ids_of_rows(ref.idx_mapping_np) != got_ids_of_rows(got.idx_mapping_np):
+        out.append("batch.idx_mapping_np: rows map to other ids")
+    if got.idx_mapping_np.dtype != ref.idx_mapping_np.dtype:
+        out.append(f"batch.idx_mapping_np dtype {got.idx_mapping_np.dtype}")
+    return out
+
+
+INPUT_FIELDS = ("num_reqs", "num_tokens", "num_draft_tokens", "query_start_loc_np", "cu_num_logits_np")
+
+
+def diff_inputs(ref, ref_ids_of_rows, got, got_ids_of_rows) -> list[str]:
+    """Disagreements between two ``InputBatch``es of ``prepare_inputs``: the
+    host-computed fields, and ``idx_mapping`` (the tensor) through each side's
+    own rows."""
+    out = []
+    for f in INPUT_FIELDS:
+        a, b = getattr(ref, f), getattr(got, f)
+        same = np.array_equal(a, b) if isinstance(a, np.ndarray) else a == b
+        if not same:
+            out.append(f"input_batch.{f}: vLLM {str(a)[:60]} vs {str(b)[:60]}")
+    for f in ("num_computed_tokens_np", "seq_lens_cpu_upper_bound"):
+        a, b = np.asarray(getattr(ref, f)), np.asarray(getattr(got, f))
+        if not np.array_equal(a, b):
+            out.append(f"input_batch.{f}: vLLM {a[:6]} vs {b[:6]}")
+    if ref_ids_of_rows(ref.idx_mapping.tolist()) != got_ids_of_rows(got.idx_mapping.tolist()):
+        out.append("input_batch.idx_mapping: rows map to other ids")
+    if ref.idx_mapping.dtype != got.idx_mapping.dtype:
+        out.append(f"input_batch.idx_mapping dtype {got.idx_mapping.dtype}")
+    return out
+
+
+def run_workload(w: Workload, model_dir: str, check_pickled: bool = True, control: bool = True) -> dict:
+    """Drive ``w``; compare mtpstate (and a pickled copy of each step) with the
+    reference after every step. Returns counts of steps and disagreements."""
+    import mtpstate
+    from mtpstate.tools.reference import LegacyRequestTable
+
+    drv = Driver(w, model_dir)
+    kw = dict(max_num_reqs=w.max_num_seqs, max_model_len=w.max_model_len, block_sizes=drv.block_sizes)
+    ref = MRV2Reference(w.max_num_seqs, w.max_model_len, w.max_num_batched_tokens, drv.block_sizes, w.num_spec)
+    ours = mtpstate.RequestTable(**kw, decode_query_len=w.num_spec + 1)
+    ours_pickled = mtpstate.RequestTable(**kw, decode_query_len=w.num_spec + 1) if check_pickled else None
+    legacy = LegacyRequestTable(**kw) if control else None
+    ref_ids = lambda rows: [ref.req_states.index_to_req_id[int(r)] for r in rows]  # noqa: E731
+    res = {"workload": w.name, "steps": 0, "disagreements": 0, "control_disagreements": 0, "first": []}
+    kinds = {
+        "new": 0,
+        "cached": 0,
+        "finished": 0,
+        "preempted": 0,
+        "spec_tokens": 0,
+        "max_running": 0,
+        "prefix_hits": 0,
+        "prompt_embeds": 0,
+    }
+    for so in drv.steps():
+        blob = pickle.dumps(so)
+        ref.apply(so)
+        got = ours.apply(so).batch
+        expect = ref.state()
+        bad = diff_states(expect, table_state(ours))
+        vbatch = ref.gather(so)
+        bad += diff_batches(vbatch, ref_ids, got, lambda rows: [ours.index.req_id(int(r)) for r in rows])
+        if ours_pickled is not None:
+            got = ours_pickled.apply(pickle.loads(blob)).batch
+            bad += [f"(pickled) {b}" for b in diff_states(expect, table_state(ours_pickled))]
+            ids_p = lambda rows: [ours_pickled.index.req_id(int(r)) for r in rows]  # noqa: E731
+            bad += [f"(pickled) {b}" for b in diff_batches(vbatch, ref_ids, got, ids_p)]
+        res["batch_steps"] = res.get("batch_steps", 0) + 1
+        if legacy is not None:
+            legacy.apply(pickle.loads(blob))
+            if diff_states(expect, table_state(legacy), limit=1):
+                res["control_disagreements"] += 1
+        res["steps"] += 1
+        if bad:
+            res["disagreements"] += 1
+            if len(res["first"]) < 3:
+                res["first"].append((res["steps"], bad[:5]))
+        kinds["new"] += len(so.scheduled_new_reqs)
+        kinds["prefix_hits"] += sum(1 for r in so.scheduled_new_reqs if r.num_computed_tokens > 0)
+        kinds["prompt_embeds"] += sum(1 for r in so.scheduled_new_reqs if r.prompt_token_ids is None)
+        kinds["cached"] += len(so.scheduled_cached_reqs.req_ids)
+        kinds["finished"] += len(so.finished_req_ids)
+        kinds["preempted"] += len(so.preempted_req_ids or ())
+        kinds["spec_tokens"] += sum(len(v) for v in so.scheduled_spec_decode_tokens.values())
+        kinds["max_running"] = max(kinds["max_running"], len(so.num_scheduled_tokens))
+    res["kinds"] = kinds
+    res["python_path_steps"] = ours.python_path_steps  # steps that needed a Python conversion (0 expected)
+    return res
+
+
+def run_runner_differential(w: Workload, model_dir: str, deferred: bool = False) -> dict:
+    """vLLM's unpatched source, mtpstate applied by its plugin through vLLM's
+    own ``load_general_plugins()``: the runner's methods as the plugin
+    patched them, mtpstate on (``ModelRunnerV2State``), against vLLM's own
+    methods, compared after every step:
+    the state, and the whole ``BatchReqState`` of ``gather_batch_req_state``
+    (on: built from ``StepResult.batch``), plus ``idx_mapping``.
+    ``deferred``: mtpstate's device work on a model of a GPU's asynchrony
+    (its graph path), counted per step (``ops_per_step``: each distinct
+    count and how many steps had it), then run before the comparison (vLLM's
+    own code reads the tensors at once on the CPU)."""
+    load_plugin()
+    drv = Driver(w, model_dir)
+    args = (w.max_num_seqs, w.max_model_len, w.max_num_batched_tokens, drv.block_sizes, w.num_spec)
+    ops = None
+    if deferred:
+        import torch
+
+        from mtpstate.devices import DeferredOps
+
+        ops = DeferredOps(torch, graphs=True)
+    ref, patched = MRV2Reference(*args), MRV2Reference(*args, use_mtpstate=True, ops=ops)
+    res = {"workload": w.name, "steps": 0, "disagreements": 0, "first": []}
+    per_step = collections.Counter()
+    ids_ref = lambda rows: [ref.req_states.index_to_req_id[int(r)] for r in rows]  # noqa: E731
+    ids_pat = lambda rows: [patched.req_states.index_to_req_id[int(r)] for r in rows]  # noqa: E731
+    for so in drv.steps():
+        blob = pickle.dumps(so)
+        so2 = pickle.loads(blob)
+        ref.apply(so)
+        if ops is not None:
+            before = dict(ops.issued)
+        patched.apply(so2)
+        if ops is not None:
+            issued = {k: v - before.get(k, 0) for k, v in ops.issued.items() if v != before.get(k, 0)}
+            per_step[json.dumps(issued, sort_keys=True)] += 1
+            ops.synchronize()
+        bad = diff_states(ref.state(device=True), patched.state(device=True))
+        # the whole BatchReqState: vLLM's gather (off) against StepResult.batch (on)
+        bad += diff_batches(ref.gather(so), ids_ref, patched.gather(so2), ids_pat)
+        rows = patched.gather(so2).idx_mapping_np
+        if patched.mtpstate.idx_mapping(rows).tolist() != rows.tolist():
+            bad.append("idx_mapping: the tensor differs from the batch's idx_mapping_np")
+        # prepare_inputs' host results (its Triton kernels are no-ops here)
+        bad += diff_inputs(ref.prepare(so, ref.gather(so)), ids_ref, patched.prepare(so2, patched.gather(so2)), ids_pat)
+        res["steps"] += 1
+        if bad:
+            res["disagreements"] += 1
+            if len(res["first"]) < 3:
+                res["first"].append((res["steps"], bad[:5]))
+    if ops is not None:
+        res["ops_per_step"] = dict(per_step)
+    return res

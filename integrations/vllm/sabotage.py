@@ -1,0 +1,43 @@
+"""Negative controls of the runner differential: each corrupts one kind of
+element the mirror ships, just before it is shipped (the differential must
+then disagree)."""
+
+from __future__ import annotations
+
+
+def _zero_token_values(mirror, slot, n, n_tok):
+    slot.val_np[:n_tok] = 0
+
+
+def _zero_engine_lengths(mirror, slot, n, n_tok):
+    from mtpstate._kernels import slots
+
+    eng = int(mirror.table._ctx[slots.TB_FLAT_ENG])
+    pos = slot.pos_np[n_tok:n]
+    slot.val_np[n_tok:n][(pos >= eng) & (pos < eng + slots.ENG_ROWS * mirror._row_stride)] = 0
+
+
+def _drop_length_rows(mirror, slot, n, n_tok):
+    from mtpstate._kernels import slots
+
+    R = mirror._row_stride  # the device's row stride of the per-request rows
+    pos = slot.pos_np[n_tok:n]
+    lengths = (pos >= slots.F_PREFILL * R) & (pos < (slots.F_PROMPT + 1) * R)
+    slot.pos_np[n_tok:n][lengths] = slots.F_MAXSEQ * R  # (a row vLLM does not read)
+
+
+# negative controls of the patched differential: each corrupts one kind of
+# element the mirror ships, just before the copy
+SABOTAGE = {"tokens": _zero_token_values, "engine-lengths": _zero_engine_lengths, "lengths": _drop_length_rows}
+
+
+def sabotage(kind: str) -> None:
+    from mtpstate.mirror import DeviceMirror
+
+    ship, corrupt = DeviceMirror._ship, SABOTAGE[kind]
+
+    def corrupted(mirror, slot, n, n_tok):
+        corrupt(mirror, slot, n, n_tok)
+        ship(mirror, slot, n, n_tok)
+
+    DeviceMirror._ship = corrupted

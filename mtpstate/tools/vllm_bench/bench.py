@@ -1,0 +1,310 @@
+"""Paired timing on vLLM's real steps: the bookkeeping (vLLM's
+finish/add/update + ``gather_batch_req_state`` against
+``RequestTable.apply``) and the runner's host step up to the forward
+(mtpstate on through the plugin, off), recorded once, interleaved per step."""
+
+from __future__ import annotations
+
+import contextlib
+import pickle
+import statistics
+import time
+
+import numpy as np
+
+from mtpstate.tools.vllm_bench.driver import Driver
+from mtpstate.tools.vllm_bench.reference import MRV2Reference
+from mtpstate.tools.vllm_bench.shims import _NoLaunch
+from mtpstate.tools.vllm_bench.workloads import Workload
+
+# ----------------------------------------------------------------------------
+# paired timing on the real steps
+
+
+def bench_workload(w: Workload, model_dir: str, repeats: int = 5, runner: bool = False) -> dict:
+    """Record the workload's steps once, then time, per step and interleaved,
+    MRV2's host path (finish/add/update, then the batch -> row mapping of
+    ``gather_batch_req_state``) against ``RequestTable.apply`` + ``rows`` for
+    the same batch order, each on a freshly unpickled step (as a worker
+    process receives it). The batch order (vLLM's ``sort_batch_req_ids``) is
+    computed outside the timed region: both sides need it. ``runner``: the
+    runner as the plugin patches it, mtpstate on, against vLLM's own
+    methods, over the host part of ``execute_model`` up to the forward
+    (``_bench_runner``)."""
+    with _staging_launches_as_no_ops():
+        return _bench_runner(w, model_dir, repeats) if runner else _bench(w, model_dir, repeats)
+
+
+@contextlib.contextmanager
+def _staging_launches_as_no_ops():
+    """The device step of the state staging is a launch on a GPU, on both
+    sides: vLLM's Triton write kernel, and the mirror's device work (one
+    graph replay). Both are no-ops inside (counted as launches); what is timed
+    is everything up to them (vLLM's UVA staging, mtpstate's kernel
+    staging)."""
+    from vllm.v1.worker.gpu import buffer_utils
+
+    from mtpstate.mirror import DeviceMirror
+
+    emulated = buffer_utils._apply_write_kernel
+    shipped = DeviceMirror._ship
+    buffer_utils._apply_write_kernel = _NoLaunch()
+    DeviceMirror._ship = _no_ship
+    try:
+        yield
+    finally:
+        buffer_utils._apply_write_kernel = emulated
+        DeviceMirror._ship = shipped
+
+
+def _no_ship(mirror, slot, n, n_tok):
+    """``DeviceMirror._ship`` launching nothing: the step's one graph replay
+    on a GPU, counted."""
+    _NoLaunch.launches += 1
+
+
+def _quiet(so) -> bool:
+    return not so.scheduled_new_reqs and not so.finished_req_ids and not so.preempted_req_ids
+
+
+def recorded_steps(w, model_dir):
+    """The workload's steps, recorded once from vLLM's scheduler: (pickled
+    steps, which of them are timed, the KV-cache groups' block sizes). A
+    ``steady-*`` workload times only the steps that add and finish nothing."""
+    drv = Driver(w, model_dir)
+    steps = list(drv.steps())
+    timed = [not w.name.startswith("steady") or _quiet(so) for so in steps]
+    return [pickle.dumps(so) for so in steps], timed, drv.block_sizes
+
+
+def _bench(w, model_dir, repeats):
+    """Per step, interleaved: vLLM (finish/free_states/add/update_requests,
+    apply_staged_writes, then gather_batch_req_state) against
+    ``RequestTable(decode_query_len=...).apply(so).batch``, and
+    ``RequestTable.apply`` alone (no batch) for the apply-only figure. A
+    ``steady-*`` workload times only the steps that add and finish nothing."""
+    import mtpstate
+
+    blobs, timed, block_sizes = recorded_steps(w, model_dir)
+    kw = dict(max_num_reqs=w.max_num_seqs, max_model_len=w.max_model_len, block_sizes=block_sizes)
+    dq = 1 + w.num_spec
+    t_ref, t_ours, t_apply, running = [], [], [], []
+    for _ in range(repeats):
+        args = (w.max_num_seqs, w.max_model_len, w.max_num_batched_tokens, block_sizes, w.num_spec)
+        ref = MRV2Reference(*args)
+        ours = mtpstate.RequestTable(**kw, decode_query_len=dq)
+        alone = mtpstate.RequestTable(**kw)
+        for b, keep in zip(blobs, timed):
+            s1, s2, s3 = pickle.loads(b), pickle.loads(b), pickle.loads(b)
+            t0 = time.perf_counter()
+            ref.apply(s1)
+            vb = ref.gather(s1)
+            t1 = time.perf_counter()
+            m2 = ours.apply(s2).batch.idx_mapping_np
+            t2 = time.perf_counter()
+            alone.apply(s3)
+            t3 = time.perf_counter()
+            assert len(m2) == len(vb.idx_mapping_np)
+            if keep:
+                t_ref.append(t1 - t0)
+                t_ours.append(t2 - t1)
+                t_apply.append(t3 - t2)
+                running.append(len(s1.num_scheduled_tokens))
+    ratios = np.array(t_ref) / np.array(t_ours)
+    n_med = statistics.median(running)
+    return {
+        "workload": w.name,
+        "subject": "RequestTable.apply(so).batch",
+        "steps": len(blobs),
+        "timed_steps": len(t_ref),
+        "repeats": repeats,
+        "median_running": n_med,
+        "mrv2_median_us": statistics.median(t_ref) * 1e6,
+        "mtpstate_median_us": statistics.median(t_ours) * 1e6,
+        "apply_alone_median_us": statistics.median(t_apply) * 1e6,
+        "apply_alone_ns_per_request": statistics.median(t_apply) * 1e9 / max(n_med, 1),
+        "speedup": statistics.median(t_ref) / statistics.median(t_ours),
+        "paired_median": float(np.median(ratios)),
+        "paired_p10": float(np.percentile(ratios, 10)),
+        "paired_p90": float(np.percentile(ratios, 90)),
+    }
+
+
+PHASES = ("update", "gather", "prepare")
+
+
+def _timed_host_step(sub, so, out):
+    """``MRV2Reference.host_step`` with a clock between its phases: finish ..
+    update_requests + apply_staged_writes; gather_batch_req_state;
+    prepare_inputs + prepare_attn. Appends the three durations to ``out``."""
+    t0 = time.perf_counter()
+    sub.apply(so)
+    t1 = time.perf_counter()
+    batch = sub.gather(so)
+    t2 = time.perf_counter()
+    sub.prepare(so, batch)
+    t3 = time.perf_counter()
+    out.append((t1 - t0, t2 - t1, t3 - t2))
+
+
+def _bench_runner(w, model_dir, repeats):
+    """The patched runner with mtpstate on against itself off (vLLM's own
+    code paths), per step and interleaved (which side goes first alternates
+    by repeat), on freshly unpickled steps: the host part of
+    ``execute_model`` up to the forward (``MRV2Reference.host_step``). A
+    ``steady-*`` workload times only the steps that add and finish nothing.
+    Also counts the torch operator calls per step on each side."""
+    blobs, timed, block_sizes = recorded_steps(w, model_dir)
+    args = (w.max_num_seqs, w.max_model_len, w.max_num_batched_tokens, block_sizes, w.num_spec)
+    times = {False: [], True: []}
+    running, with_new = [], []
+    for rep in range(repeats):
+        sides = {False: MRV2Reference(*args), True: MRV2Reference(*args, use_mtpstate=True)}
+        order = (False, True) if rep % 2 == 0 else (True, False)
+        for b, keep in zip(blobs, timed):
+            sos = {on: pickle.loads(b) for on in order}
+            mark = {on: len(times[on]) for on in order}
+            for on in order:
+                _timed_host_step(sides[on], sos[on], times[on])
+            if not keep:
+                for on in order:
+                    del times[on][mark[on] :]
+            elif rep == 0:
+                running.append(len(sos[False].num_scheduled_tokens))
+                with_new.append(bool(sos[False].scheduled_new_reqs))
+    off = np.array(times[False])  # [timed steps x repeats, phases]
+    on = np.array(times[True])
+    t_off, t_on = off.sum(axis=1), on.sum(axis=1)
+    ratios = t_off / t_on
+    ops = _torch_op_counts(w, block_sizes, blobs, timed)
+    med = lambda a: float(np.median(a)) * 1e6  # noqa: E731  (us)
+    return {
+        "workload": w.name,
+        "subject": "runner via mtpstate's vLLM plugin vs vLLM's own methods (execute_model's host part to the forward)",
+        "max_running": int(max(running)),
+        "median_running": float(statistics.median(running)),
+        "steps": len(blobs),
+        "timed_steps": len(running),
+        "timed_steps_with_new_requests": int(sum(with_new)),
+        "repeats": repeats,
+        "vllm_median_us": med(t_off),
+        "mtpstate_median_us": med(t_on),
+        "speedup": float(np.median(t_off) / np.median(t_on)),
+        "paired_median": float(np.median(ratios)),
+        "paired_p10": float(np.percentile(ratios, 10)),
+        "paired_p90": float(np.percentile(ratios, 90)),
+        "phases_us": {
+            "vllm": {p: med(off[:, k]) for k, p in enumerate(PHASES)},
+            "mtpstate": {p: med(on[:, k]) for k, p in enumerate(PHASES)},
+        },
+        "torch_ops": ops,
+    }
+
+
+def breakdown_workload(w: Workload, model_dir: str, repeats: int = 3) -> dict:
+    """Where the patched side's host time goes: the runner's methods one by
+    one, and ``RequestTable.apply`` inside ``add_requests``, medians in us
+    over the timed steps after a 10-step warm-up, with vLLM's side (off) run
+    before each step as in the benchmark (the staging's device launches
+    no-op'd, as there)."""
+    blobs, timed, block_sizes = recorded_steps(w, model_dir)
+    args = (w.max_num_seqs, w.max_model_len, w.max_num_batched_tokens, block_sizes, w.num_spec)
+    names = (
+        "finish_requests",
+        "add_requests",
+        "update_requests+apply_staged_writes",
+        "gather",
+        "prepare_inputs",
+        "prepare_attn",
+    )
+    out: dict = {}
+    with _staging_launches_as_no_ops():
+        for _ in range(repeats):
+            off, on = MRV2Reference(*args), MRV2Reference(*args, use_mtpstate=True)
+            R, table = on._runner, on.mtpstate.table
+            inner = []
+
+            def timed_apply(so, apply=table.apply, inner=inner):
+                t0 = time.perf_counter()
+                r = apply(so)
+                inner.append(time.perf_counter() - t0)
+                return r
+
+            table.apply = timed_apply
+            for i, (b, keep) in enumerate(zip(blobs, timed)):
+                so_off, so = pickle.loads(b), pickle.loads(b)
+                off.host_step(so_off)
+                inner.clear()
+                t = [time.perf_counter()]
+                R.finish_requests(on, so)
+                t.append(time.perf_counter())
+                R.free_states(on, so)
+                R.add_requests(on, so)
+                t.append(time.perf_counter())
+                R.update_requests(on, so)
+                on.block_tables.apply_staged_writes()
+                t.append(time.perf_counter())
+                batch = on.gather(so)
+                t.append(time.perf_counter())
+                ib = on.inputs(so, batch)
+                t.append(time.perf_counter())
+                R.prepare_attn(on, ib)
+                t.append(time.perf_counter())
+                if i < 10 or not keep:
+                    continue
+                for k, name in enumerate(names):
+                    out.setdefault(name, []).append(t[k + 1] - t[k])
+                out.setdefault("  of add_requests: RequestTable.apply", []).extend(inner)
+                out.setdefault("total", []).append(t[-1] - t[0])
+    return {"workload": w.name, "breakdown_us": {k: statistics.median(v) * 1e6 for k, v in out.items()}}
+
+
+def _torch_op_counts(w, block_sizes, blobs, timed) -> dict:
+    """torch operator calls per step (a TorchDispatchMode counter, in a pass
+    of its own: counting slows the calls) on each side, over the timed part
+    (``MRV2Reference.host_step``): on a GPU each is a kernel launch, a copy
+    or a view. The no-op'd launches (Triton kernels, the mirror's copies and
+    scatters) are counted apart (``no_op_launches``). Split by steps with and
+    without new requests, to show whether the count grows with them."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Count(TorchDispatchMode):
+        n = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            Count.n += 1
+            return func(*args, **(kwargs or {}))
+
+    out = {}
+    for side, on in (("vllm", False), ("mtpstate", True)):
+        args = (w.max_num_seqs, w.max_model_len, w.max_num_batched_tokens, block_sizes, w.num_spec)
+        ref = MRV2Reference(*args, use_mtpstate=on)
+        counts = {"with_new": [], "without_new": []}
+        triton = {"with_new": [], "without_new": []}
+        for b, keep in zip(blobs, timed):
+            so = pickle.loads(b)
+            Count.n = 0
+            launched = _NoLaunch.launches
+            with Count():
+                ref.host_step(so)
+            if keep:
+                kind = "with_new" if so.scheduled_new_reqs else "without_new"
+                counts[kind].append(Count.n)
+                triton[kind].append(_NoLaunch.launches - launched)
+        out[side] = {k: (statistics.median(v) if v else None) for k, v in counts.items()}
+        out[side]["max"] = max(counts["with_new"] + counts["without_new"])
+        # device launches no-op'd here (Triton kernels; the mirror's copies
+        # and scatters), per step
+        out[side]["no_op_launches"] = {k: (statistics.median(v) if v else None) for k, v in triton.items()}
+    return out
+
+
+def run_machine() -> dict:
+    """The machine and versions of a benchmark run, for its JSON."""
+    from vllm.version import __version__ as vllm_version
+
+    from mtpstate.tools.bench import machine_info
+
+    machine = dict(machine_info(), vllm=vllm_version)
+    machine.pop("mirror_device", None)  # (the mirror's device work is counted, not run: see _no_ship)
+    return machine

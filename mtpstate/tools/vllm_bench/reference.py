@@ -1,0 +1,182 @@
+"""The reference: Model Runner V2's own state code and runner methods bound
+to an object holding vLLM's real ``RequestState`` and ``BlockTables``, run
+off (vLLM's own methods) or on (as mtpstate's plugin patched them)."""
+
+from __future__ import annotations
+
+import math
+import os
+
+from mtpstate.tools.vllm_bench.workloads import VOCAB
+
+# ----------------------------------------------------------------------------
+# the reference: Model Runner V2's own state code and runner methods
+
+
+class _Null:
+    """Per-request hooks of the runner that hold no state this comparison
+    covers (model state, LoRA, draft-token handler)."""
+
+    def __getattr__(self, name):
+        return lambda *a, **k: None
+
+
+class _ModelState(_Null):
+    """The runner's ``model_state`` as ``prepare_inputs`` reads it: one bonus
+    token per step (a plain decoder); its hooks hold nothing compared."""
+
+    num_new_sampled_tokens_per_step = 1
+
+
+def load_plugin() -> None:
+    """What every vLLM process does at start-up, with VLLM_USE_MTPSTATE=1:
+    vLLM's own ``load_general_plugins()``, which finds mtpstate's entry point
+    and patches Model Runner V2 (checked: the guard must have applied it)."""
+    os.environ["VLLM_USE_MTPSTATE"] = "1"
+    from vllm.plugins import load_general_plugins
+
+    load_general_plugins()
+    import vllm.v1.worker.gpu.model_runner  # noqa: F401  (patched on import)
+
+    from mtpstate.integrations.vllm import plugin
+
+    v = plugin.check()
+    if not (v.applied and v.ok):
+        raise RuntimeError(f"mtpstate's vLLM plugin did not apply: {v.problems or 'entry point not loaded'}")
+
+
+def vllm_methods(cls):
+    """vLLM's own methods of the runner class (the originals where the
+    plugin patched them), as a namespace to call with a runner object."""
+    from types import SimpleNamespace
+
+    out = {}
+    for name, fn in vars(cls).items():
+        out[name] = getattr(fn, "__mtpstate_original__", fn)
+    return SimpleNamespace(**out)
+
+
+class MRV2Reference:
+    """The host side of vLLM 0.34's GPUModelRunner for one step: the real
+    ``finish_requests``, ``add_requests`` and ``update_requests`` methods,
+    bound to an object holding the real ``RequestState`` and ``BlockTables``."""
+
+    def __init__(
+        self, max_num_reqs, max_model_len, max_num_batched_tokens, block_sizes, num_spec, use_mtpstate=False, ops=None
+    ):
+        import torch
+        from vllm.v1.worker.gpu.block_table import BlockTables
+        from vllm.v1.worker.gpu.model_runner import GPUModelRunner
+        from vllm.v1.worker.gpu.states import RequestState
+
+        cpu = torch.device("cpu")
+        self.req_states = RequestState(max_num_reqs, max_model_len, max_num_batched_tokens, num_spec, VOCAB, cpu)
+        widths = [math.ceil(max_model_len / b) for b in block_sizes]
+        self.block_tables = BlockTables(block_sizes, max_num_reqs, max_num_batched_tokens, widths, cpu)
+        for name in ("pooling_runner", "speculator", "encoder_cache", "adaptive_verification", "sampler"):
+            setattr(self, name, None)
+        self.prompt_logprobs_worker = self.pp_handler = self.kv_block_zeroer = None
+        self.lora_state = self.draft_tokens_handler = _Null()
+        self.model_state = _ModelState()
+        self.is_last_pp_rank = False  # the sampler's per-request state is not compared
+        # the runner's methods: as the plugin patched them (on), or vLLM's own (off)
+        self._runner = GPUModelRunner if use_mtpstate else vllm_methods(GPUModelRunner)
+        # what prepare_inputs / prepare_attn read besides the request state
+        from types import SimpleNamespace
+
+        from vllm.v1.worker.gpu.input_batch import InputBuffers
+
+        self.max_num_reqs = max_num_reqs
+        self.device = cpu
+        self.input_buffers = InputBuffers(max_num_reqs, max_num_batched_tokens, cpu)
+        self.fast_prefill = None
+        self.model_config = SimpleNamespace(rswa_window=None)
+        # what gather_batch_req_state reads besides the request state
+        self.decode_query_len = num_spec + 1
+        self.use_pp = False
+        self.adaptive_verification = None
+        self.pcp_manager = None
+        # what the patched initialize_kv_cache sets (mtpstate's mrv2.patch)
+        self.mtpstate = None
+        if use_mtpstate:
+            from mtpstate.integrations.vllm import ModelRunnerV2State
+
+            if not getattr(GPUModelRunner.add_requests, "__mtpstate_patched__", False):
+                raise RuntimeError("the runner is not patched: call load_plugin() first")
+            if ops is None:
+                self.mtpstate = ModelRunnerV2State.for_runner(self)
+            else:  # a model of a GPU's asynchrony (mtpstate.devices.DeferredOps)
+                self.mtpstate = ModelRunnerV2State(self, ring_depth=2, ops=ops)
+
+    def apply(self, so) -> None:
+        R = self._runner
+        R.finish_requests(self, so)
+        R.free_states(self, so)
+        R.add_requests(self, so)
+        R.update_requests(self, so)
+        self.block_tables.apply_staged_writes()
+
+    def _remove_request(self, req_id):
+        return self._runner._remove_request(self, req_id)
+
+    def gather(self, so):
+        """vLLM's own ``gather_batch_req_state`` for the step just applied."""
+        return self._runner.gather_batch_req_state(self, so, False)[0]
+
+    def inputs(self, so, batch):
+        """The runner's ``prepare_inputs`` for the gathered batch (eager, no
+        request padding: ``cudagraph`` dispatch is the same on both sides and
+        is left out). Returns the InputBatch."""
+        from vllm.config.compilation import CUDAGraphMode
+        from vllm.v1.worker.gpu.cudagraph_utils import BatchExecutionDescriptor
+
+        desc = BatchExecutionDescriptor(cg_mode=CUDAGraphMode.NONE, num_tokens=batch.num_tokens, num_reqs=None)
+        return self._runner.prepare_inputs(self, so, batch, desc, 0)
+
+    def prepare(self, so, batch):
+        """``inputs`` and the runner's ``prepare_attn``. Returns the InputBatch."""
+        ib = self.inputs(so, batch)
+        self._runner.prepare_attn(self, ib)
+        return ib
+
+    def host_step(self, so):
+        """``execute_model``'s host part up to the forward: finish ..
+        update_requests, ``block_tables.apply_staged_writes``,
+        ``gather_batch_req_state``, ``prepare_inputs``, ``prepare_attn``.
+        Returns the InputBatch."""
+        self.apply(so)
+        return self.prepare(so, self.gather(so))
+
+    def state(self, device: bool = False) -> dict:
+        """Per request id: every field the comparison covers; ``device``:
+        also vLLM's device-side tensors as its kernels read them (the
+        patched runner writes them through mtpstate's mirror)."""
+        rs, bt = self.req_states, self.block_tables
+        tokens = rs.all_token_ids.gpu.numpy()
+        tables = [t.gpu.numpy() for t in bt.block_tables]
+        out = {}
+        for rid, r in rs.req_id_to_index.items():
+            pl = int(rs.prefill_len.np[r])
+            nb = [int(bt.num_blocks.np[g, r]) for g in range(len(tables))]
+            out[rid] = {
+                "num_computed_tokens": int(rs.num_computed_tokens_np[r]),
+                "num_computed_prefill_tokens": int(rs.num_computed_prefill_tokens[r]),
+                "prefill_len": pl,
+                "prompt_len": int(rs.prompt_len.np[r]),
+                "max_seq_len": int(rs.max_seq_len[r]),
+                "num_blocks": nb,
+                "blocks": [tables[g][r, : nb[g]].tolist() for g in range(len(tables))],
+                "prefill_token_ids": tokens[r, :pl].tolist(),
+                "is_prefilling": int(rs.num_computed_prefill_tokens[r]) < pl,
+            }
+            if device:
+                out[rid].update(
+                    {
+                        "total_len.gpu": int(rs.total_len.gpu[r]),
+                        "num_computed_tokens.gpu": int(rs.num_computed_tokens.gpu[r]),
+                        "prefill_len.gpu": int(rs.prefill_len.gpu[r]),
+                        "prompt_len.gpu": int(rs.prompt_len.gpu[r]),
+                        "num_blocks.gpu": [int(bt.num_blocks.gpu[g, r]) for g in range(len(tables))],
+                    }
+                )
+        return out

@@ -1,0 +1,104 @@
+"""CPU shims for vLLM 0.34's Model Runner V2 code: a platform that lets the
+config load on x86 without Triton, the staged-write kernel of buffer_utils in
+numpy, and no-op launches (counted) for the Triton kernels of
+``prepare_inputs`` / ``prepare_attn``. Used only where there is no GPU."""
+
+from __future__ import annotations
+
+import ctypes
+
+import numpy as np
+
+# ----------------------------------------------------------------------------
+# CPU shims: a platform that lets the config load on x86 without triton, and
+# the Triton write kernel of buffer_utils in numpy
+
+
+def install_cpu_shims() -> None:
+    import vllm.platforms as platforms
+    from vllm.platforms.interface import UnspecifiedPlatform
+
+    class HarnessPlatform(UnspecifiedPlatform):
+        device_type = "cpu"
+        device_name = "cpu"
+
+    platforms._current_platform = HarnessPlatform()
+
+    import vllm.v1.worker.cpu.buffer_utils as cpu_buffer_utils
+    from vllm.v1.worker.gpu import buffer_utils
+
+    # what vllm/v1/worker/cpu/shm.py does for the CPU runner: "UVA" = the CPU tensor
+    buffer_utils.UvaBuffer = cpu_buffer_utils.UvaBuffer
+    buffer_utils._apply_write_kernel = _NumpyWriteKernel()
+    buffer_utils._num_write_chunks = lambda max_len: 1
+
+    # prepare_inputs / prepare_attn: their Triton kernels are launches on a
+    # GPU (asynchronous, the host only pays the launch); here no-ops on both
+    # sides, everything around them (numpy, torch allocations, copies) real
+    import vllm.utils.torch_utils as torch_utils
+    from vllm.triton_utils import triton
+    from vllm.utils.math_utils import next_power_of_2
+    from vllm.v1.worker.gpu import block_table, input_batch
+
+    torch_utils.PIN_MEMORY = False  # async_tensor_h2d: no pinned staging without an accelerator
+    if not hasattr(triton, "next_power_of_2"):  # vLLM's placeholder module (no Triton installed)
+        triton.next_power_of_2 = next_power_of_2
+    for mod, names in ((input_batch, INPUT_KERNELS), (block_table, ATTN_KERNELS)):
+        for name in names:
+            setattr(mod, name, _NoLaunch())
+
+
+# the Triton kernels of prepare_inputs (input_batch.py) and prepare_attn
+# (block_table.py), replaced by no-ops on both sides
+INPUT_KERNELS = (
+    "_prepare_prefill_inputs_kernel",
+    "_prepare_pos_seq_lens_kernel",
+    "_combine_sampled_and_draft_tokens_kernel",
+    "_expand_idx_mapping_kernel",
+)
+ATTN_KERNELS = ("_gather_block_tables_kernel", "_compute_slot_mappings_kernel")
+
+
+class _NoLaunch:
+    """``kernel[grid](...)`` that launches nothing (and counts the launch:
+    on a GPU each is one, which the torch-op counter does not see)."""
+
+    launches = 0
+
+    def __getitem__(self, grid):
+        _NoLaunch.launches += 1
+        return _no_launch
+
+
+def _no_launch(*args, **kwargs):
+    return None
+
+
+class _NumpyWriteKernel:
+    """``_apply_write_kernel[grid](...)`` of buffer_utils.py, in numpy: write
+    ``contents[cu_lens[w-1]:cu_lens[w]]`` to row ``indices[w]`` of the output
+    from column ``starts[w]``; MULTI_GROUP: the output of write ``w`` is the
+    tensor at address ``output_ptr[group_ids[w]]`` with that group's stride."""
+
+    def __getitem__(self, grid):
+        return self._run
+
+    @staticmethod
+    def _run(out, stride, indices, starts, contents, cu_lens, group_ids, BLOCK_SIZE, MULTI_GROUP):  # noqa: N803
+        idx, st, cu = indices.numpy(), starts.numpy(), cu_lens.numpy()
+        c = contents.numpy()
+        for w in range(len(idx)):
+            lo = int(cu[w - 1]) if w else 0
+            hi = int(cu[w])
+            if MULTI_GROUP:
+                g = int(group_ids.numpy()[w])
+                base, rs = int(out.numpy()[g]), int(stride.numpy()[g])
+                n = hi - lo
+                addr = base + c.itemsize * (int(idx[w]) * rs + int(st[w]))
+                dst = np.frombuffer((ctypes.c_int32 * n).from_address(addr), dtype=np.int32) if n else None
+                if n:
+                    dst[:] = c[lo:hi]
+            else:
+                flat = out.view(-1).numpy()
+                pos = int(idx[w]) * int(stride) + int(st[w])
+                flat[pos : pos + hi - lo] = c[lo:hi]
