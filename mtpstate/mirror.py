@@ -245,7 +245,7 @@ class DeviceMirror:
         self._nn = 0  # the shipping step's new rows
         self._stale = None  # (slot, n, n_tok, nn) of a step whose device work failed
         self._idx_slot, self._idx_n = None, 0
-        self._last = _SHIPPED_NOTHING
+        self._last = None  # (n, idx shipped, rows shipped) of the last step that shipped
         self._rows_rings = {}
 
     # the table asks for these before it allocates its own token_ids
@@ -375,6 +375,9 @@ class DeviceMirror:
                     s.graphs.clear()
                 self.path, self.graph_error = "eager", f"capture failed: {e!r}"
 
+    def _bucket(self, n: int) -> int:
+        return bucket_of(n, len(self._sizes) - 1)
+
     def _kinds(self) -> list[int]:
         return [V_PLAIN] + ([V_NEW] if self._fills else []) + ([V_TOK] if self._tok_target is not None else [])
 
@@ -398,41 +401,35 @@ class DeviceMirror:
         ops.synchronize()
 
     def _warm_up(self):
-        """Each operation the graphs hold, run once eagerly (so that lazy
-        module loads happen outside any capture) on the first slot's own
-        buffers and on scratch tensors: nothing an engine holds is written."""
+        """Each kind's work run once eagerly (so that lazy module loads happen
+        outside any capture) on the first slot's zeroed buffers: the header
+        says nothing is staged, so the flat tensor gets only the spare
+        element, and the token scatter and the row fills go to scratch
+        tensors in place of the engine's: nothing an engine holds is written."""
         torch = self._torch
         s0 = self._slots[0]
-        pos_b, val_b, dpos_b, dval_b = s0.views[0]
-        dev = dpos_b.device
-        dpos_b.copy_(pos_b, non_blocking=True)
-        dval_b.copy_(val_b, non_blocking=True)
-        iota = torch.arange(self._sizes[0], dtype=torch.int64, device=dev)
-        live = (iota >= dpos_b[1]) & (iota < dpos_b[0])  # none: the header is zero
-        at = torch.where(live, dpos_b[META:], torch.zeros((), dtype=torch.int64, device=dev))
-        vals = torch.where(live, dval_b, dval_b[0])
-        torch.zeros(1, dtype=torch.int32, device=dev).index_copy_(0, at, vals)
-        if s0.idx is not None:
-            s0.didx.copy_(s0.idx, non_blocking=True)
-        if s0.rows is not None:
-            s0.drows.copy_(s0.rows, non_blocking=True)  # zeros: row 0 of each scratch below
-        for z in self._fills:
-            torch.zeros((1, *z.shape[1:]), dtype=z.dtype, device=z.device).index_fill_(0, s0.drows, 0)
+        tok = torch.zeros(1, dtype=torch.int32, device=s0.dpos.device)
+        fills = [torch.zeros((1, *z.shape[1:]), dtype=z.dtype, device=z.device) for z in self._fills]
+        for kind in self._kinds():
+            self._graph_work(s0, 0, kind, tok, fills)()
         self.ops.synchronize()
 
-    def _graph_work(self, slot, bi, kind):
+    def _graph_work(self, slot, bi, kind, tok=None, fills=None):
         """The device work of one step of ``kind`` whose staged elements fit
         bucket ``bi``, reading its counts from the slot's header on the
         device: copies of the slot, the scatter of the live elements into
         the flat tensor (the rest to the spare element), and by kind the
         token ids into the token target, the batch's idx_mapping, the new
-        rows zeroed."""
+        rows zeroed (``tok``, ``fills``: other targets than the engine's,
+        for the warm-up)."""
         torch = self._torch
         pos_b, val_b, dpos_b, dval_b = slot.views[bi]
         b = self._sizes[bi]
         iota = torch.arange(b, dtype=torch.int64, device=dpos_b.device)  # [b]
         dummy = torch.tensor(self._dummy, dtype=torch.int64, device=dpos_b.device)
-        flat, tok, fills = self._flat, self._tok_target, self._fills if kind != V_PLAIN else ()
+        flat = self._flat
+        tok = self._tok_target if tok is None else tok
+        fills = () if kind == V_PLAIN else self._fills if fills is None else fills
 
         def work():
             dpos_b.copy_(pos_b, non_blocking=True)
@@ -489,7 +486,7 @@ class DeviceMirror:
         nn = cv[T.TB_RES_NN] if results and self._fills else 0
         if n == 0 and nb < 0 and nn == 0:  # nothing to ship: the slot stays open for the next step
             cv[T.TB_STG_N] = 0
-            self._last = _SHIPPED_NOTHING
+            self._last = None
             return
         slot = self._open
         self._open = None
@@ -540,7 +537,7 @@ class DeviceMirror:
             self._follow_stream()
         if self.path == "graph":
             kind = V_TOK if n_tok else V_NEW if self._nn else V_PLAIN
-            ops.replay(slot.graphs[kind, bucket_of(n, len(self._sizes) - 1)][0])
+            ops.replay(slot.graphs[kind, self._bucket(n)][0])
         else:
             self._issue_eagerly(slot, n, n_tok)
         ops.record(slot.event, self._stream)
@@ -560,7 +557,7 @@ class DeviceMirror:
         """The graph's work as separate operations (no graph to replay):
         padding written by the host, views made once per bucket."""
         ops = self.ops
-        bi = bucket_of(n, len(self._sizes) - 1)
+        bi = self._bucket(n)
         b = self._sizes[bi]
         slot.pos_np[n:b] = self._dummy
         pos_b, val_b, dpos_b, dval_b = slot.views[bi]
@@ -598,16 +595,13 @@ class DeviceMirror:
         slot, n, n_tok, nn = self._stale
         ops = self.ops
         try:
-            ops.synchronize()
-            for s in self._slots:
-                s.pending = False
+            self._drain()
             for o, a in self._host_regions():
                 src = self._torch.from_numpy(a.copy())
                 ops.copy(self._flat[o : o + a.size], src)
             self._nn = nn
             self._ship(slot, n, n_tok)
-            ops.synchronize()
-            slot.pending = False
+            self._drain()
         except Exception as e:
             raise MirrorFaultError(
                 f"device mirror: {e!r} while resynchronizing after a failed step; the device tensors are stale; "
@@ -682,6 +676,11 @@ class DeviceMirror:
 
     def synchronize(self):
         self.resync()
+        self._drain()
+
+    def _drain(self):
+        """Wait until every queued operation has run: no slot or row buffer
+        is read by the device any more."""
         self.ops.synchronize()
         for slot in self._slots:
             slot.pending = False
@@ -695,12 +694,9 @@ class DeviceMirror:
         n, idx, rows = self._last
         if self.path == "host":  # nothing copied: the host writes what changed
             return {"bytes": 12 * n, "copies": 0, "path": "host"}
-        b = self._sizes[bucket_of(n, len(self._sizes) - 1)]
+        b = self._sizes[self._bucket(n)]
         nbytes = 8 * META + 12 * b + 8 * self.table.max_num_reqs * (idx + rows)
         return {"bytes": nbytes, "copies": 2 + idx + rows, "path": self.path}
-
-
-_SHIPPED_NOTHING = None
 
 
 def _aligned(n: int) -> int:

@@ -103,7 +103,7 @@ def _vllm_way_table(vllm_src, device):
     """The class of the ``vllm-way`` side and a label saying which upload it uses."""
     import torch
 
-    from mtpstate.tools.reference import LoopMirroredRequestTable, LoopRequestTable
+    from mtpstate.tools.reference import LoopMirroredRequestTable
 
     dev = torch.device(device)
     label = "same-shape upload (per-request runs packed into pinned memory, 1 copy + 1 scatter)"
@@ -127,20 +127,11 @@ def _vllm_way_table(vllm_src, device):
             else:
                 self._up, self._runs = _same_shape_upload(torch, dev), False
 
-        def apply(self, so):
-            LoopRequestTable.apply(self, so)  # the loop (its add/update stage the runs)
-            if not self._staged_starts:
-                return
+        def _ship_staged(self):
             if self._runs:
                 self._up(self.flat, self._staged_starts, self._staged_values)
             else:
-                lens = np.fromiter(map(len, self._staged_values), np.int64, len(self._staged_values))
-                first = np.concatenate([[0], np.cumsum(lens)[:-1]])
-                pos = np.repeat(np.array(self._staged_starts, np.int64) - first, lens) + np.arange(int(lens.sum()))
-                vals = np.fromiter((v for run in self._staged_values for v in run), np.int32, int(lens.sum()))
-                self._up(self.flat, pos, vals)
-            self._staged_starts.clear()
-            self._staged_values.clear()
+                self._up(self.flat, *self.staged_elements())
 
     return VllmWay, label, vllm_error
 

@@ -220,16 +220,25 @@ class LoopMirroredRequestTable(LoopRequestTable):
         super().apply(so)
         if not self._staged_starts:
             return
+        self._ship_staged()
+        self._staged_starts.clear()
+        self._staged_values.clear()
+
+    def staged_elements(self):
+        """The step's staged runs as (flat positions int64, values int32)."""
         lens = np.fromiter(map(len, self._staged_values), np.int64, len(self._staged_values))
         starts = np.repeat(np.array(self._staged_starts, np.int64) - np.concatenate([[0], np.cumsum(lens)[:-1]]), lens)
         pos = starts + np.arange(int(lens.sum()))
         vals = np.fromiter((v for run in self._staged_values for v in run), np.int32, int(lens.sum()))
+        return pos, vals
+
+    def _ship_staged(self):
+        """The step's upload: one buffer, one scatter into ``flat``."""
+        pos, vals = self.staged_elements()
         torch = self._torch
         self.flat.index_copy_(
             0, torch.from_numpy(pos).to(self.flat.device), torch.from_numpy(vals).to(self.flat.device)
         )
-        self._staged_starts.clear()
-        self._staged_values.clear()
 
 
 def vllm_gather_batch(so, decode_query_len, req_id_to_index, prefill_len, num_computed_prefill_tokens, max_seq_len):
