@@ -8,7 +8,9 @@ STAMP := $(VENV)/.installed
 
 .PHONY: test test-slow test-nojit test-vllm bench bench-suite bench-vllm gpu-check lint clean
 
-# vLLM 0.34.0 tier: its unpacked sdist (nothing built) + its pure-Python deps
+# vLLM 0.34.0 tier: its unpacked sdist (nothing built) + its pure-Python deps;
+# a .pth puts the source on the venv's path, so `import vllm` works there as
+# installed (PYTHONPATH still comes first: the patched copy for vLLM's tests)
 VLLM_DIR := .vllm
 VLLM_SRC := $(VLLM_DIR)/vllm-0.34.0
 VVENV := .venv-vllm
@@ -39,6 +41,7 @@ $(VSTAMP): pyproject.toml integrations/vllm/requirements.txt
 	$(VPY) -m pip install -q --only-binary :all: -r integrations/vllm/requirements.txt
 	$(VPY) -m pip install -q -e '.[dev]'
 	$(VPY) integrations/vllm/fetch_vllm.py $(VLLM_DIR)
+	$(VPY) -c "import sysconfig; open(sysconfig.get_paths()['purelib'] + '/vllm-src.pth', 'w').write('$(CURDIR)/$(VLLM_SRC)\n')"
 	touch $(VSTAMP)
 
 # the patch the plugin applies in memory (mtpstate/integrations/vllm/mrv2.patch),
@@ -57,9 +60,10 @@ test-vllm: $(VSTAMP) $(VLLM_PATCHED)/.patched
 	$(VPY) integrations/vllm/vllm_own_tests.py $(VLLM_SRC) $(VLLM_PATCHED)
 	MTPSTATE_VLLM_PATCHED=$(CURDIR)/$(VLLM_PATCHED) $(VRUN) $(VPY) -m pytest -q -p no:cacheprovider integrations/vllm
 
+# mtpstate bench-vllm in the venv: the bookkeeping, then the runner's host step
 bench-vllm: $(VSTAMP)
-	$(VRUN) $(VPY) integrations/vllm/harness.py --bench --json docs/bench-vllm.json
-	$(VRUN) $(VPY) integrations/vllm/harness.py --bench --runner --json docs/bench-vllm-runner.json
+	$(VRUN) $(VVENV)/bin/mtpstate bench-vllm --level bookkeeping --json docs/bench-vllm.json
+	$(VRUN) $(VVENV)/bin/mtpstate bench-vllm --level runner --json docs/bench-vllm-runner.json
 
 # on a CUDA machine with torch, numba, pytest(-benchmark), hypothesis installed
 # (no network, no venv): cuda tests, ring-reuse stress, mirror bench; files

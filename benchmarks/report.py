@@ -7,8 +7,9 @@ by this script from:
 - ``docs/bench-cpu.json``: ``mtpstate bench --full --json ...`` (the kernel
   on mtpstate's own workloads);
 - ``docs/bench-vllm.json`` and ``docs/bench-vllm-runner.json``: ``make
-  bench-vllm`` (the whole bookkeeping and the runner's host step, on vLLM
-  0.34.0's real scheduler output);
+  bench-vllm``, i.e. ``mtpstate bench-vllm --level bookkeeping|runner
+  --json ...`` in the vLLM venv (the whole bookkeeping and the runner's host
+  step, on vLLM 0.34.0's real scheduler output);
 - ``docs/bench-before-after.json``: ``integrations/vllm/before_after.py``
   (the last performance change, paired, on the same recorded vLLM steps);
 - ``docs/bench-vllm-breakdown.json``: ``harness.py --bench --runner
@@ -107,6 +108,15 @@ def kernel_tables() -> str:
     return "\n".join(out).rstrip()
 
 
+# the workload kinds of `mtpstate bench-vllm`, in the tables' order
+KINDS = ("steady", "busy", "chunked")
+KIND_TITLES = {
+    "steady": "steady decode",
+    "busy": "busy (arrivals and finishes every step)",
+    "chunked": "chunked prefill (long prompts beside the decodes)",
+}
+
+
 def bookkeeping_table() -> str:
     """vLLM's finish/add/update + gather_batch_req_state vs apply(so).batch."""
     m, res = _load("bench-vllm.json")
@@ -115,13 +125,13 @@ def bookkeeping_table() -> str:
     out = [
         machine_line(m),
         "",
-        "| N | steady: vLLM vs mtpstate, us | speedup (paired median, p10-p90) | busy: vLLM vs mtpstate, us "
-        "| speedup (paired median, p10-p90) | apply alone, steady, ns per request |",
-        "|---:|---:|---:|---:|---:|---:|",
-    ]
+        "| N | " + " | ".join(f"{k}: vLLM vs mtpstate, us | speedup (paired median, p10-p90)" for k in KINDS)
+        + " | apply alone, steady, ns per request |",
+        "|---:|" + "---:|---:|" * len(KINDS) + "---:|",
+    ]  # fmt: skip
     for n in sizes:
         cells = [str(n)]
-        for kind in ("steady", "busy"):
+        for kind in KINDS:
             r = by.get(f"{kind}-{n}")
             if r is None:
                 cells += ["-", "-"]
@@ -136,12 +146,12 @@ def bookkeeping_table() -> str:
     return "\n".join(out)
 
 
-RUNNER_ORDER = ("steady", "busy")
+RUNNER_ORDER = KINDS
 
 
 def runner_table(results: list[dict] | None = None) -> str:
     """The runner's host step, vLLM's methods (off) vs mtpstate through the
-    plugin (on), one row per workload, from ``harness.py --bench --runner``."""
+    plugin (on), one row per workload, from ``mtpstate bench-vllm --level runner``."""
     if results is None:
         results = _load("bench-vllm-runner.json")[1]
     rows = [
@@ -163,7 +173,7 @@ def runner_table(results: list[dict] | None = None) -> str:
             o = ops[side]
             cells.append(f"{_opt(o['without_new'])} / {_opt(o['with_new'])} (max {o['max']})")
         for side in ("vllm", "mtpstate"):
-            n = ops[side]["no_op_launches"]
+            n = ops[side].get("cuda_launches") or ops[side]["no_op_launches"]
             cells.append(f"{_opt(n['without_new'])} / {_opt(n['with_new'])}")
         rows.append("| " + " | ".join(cells) + " |")
     return "\n".join(rows)
@@ -175,14 +185,16 @@ def runner_summary() -> str:
     out = [
         machine_line(m),
         "",
-        "| N | steady: vLLM vs mtpstate, us | speedup (paired median, p10-p90) | busy: vLLM vs mtpstate, us "
-        "| speedup (paired median, p10-p90) |",
-        "|---:|---:|---:|---:|---:|",
+        "| N | " + " | ".join(f"{k}: vLLM vs mtpstate, us | speedup (paired median, p10-p90)" for k in KINDS) + " |",
+        "|---:|" + "---:|---:|" * len(KINDS),
     ]
     for n in sorted({_n(w) for w in by}):
         cells = [str(n)]
-        for kind in ("steady", "busy"):
-            r = by[f"{kind}-{n}"]
+        for kind in KINDS:
+            r = by.get(f"{kind}-{n}")
+            if r is None:
+                cells += ["-", "-"]
+                continue
             cells.append(f"{r['vllm_median_us']:.0f} vs {r['mtpstate_median_us']:.0f}")
             cells.append(
                 f"**{r['speedup']:.2f}x** ({r['paired_median']:.2f}x, {r['paired_p10']:.2f}-{r['paired_p90']:.2f})"
@@ -199,8 +211,8 @@ def headline() -> str:
     run = {r["workload"]: r for r in _load("bench-vllm-runner.json")[1]}
     sizes = sorted({_n(w) for w in run} | {_n(w) for w in book})
     out = [
-        "| running requests | own steady decode: kernel vs loop | vLLM's steps, bookkeeping: steady / busy "
-        "| vLLM's runner, host step: steady / busy |",
+        "| running requests | own steady decode: kernel vs loop | vLLM's steps, bookkeeping: steady / busy / chunked "
+        "| vLLM's runner, host step: steady / busy / chunked |",
         "|---:|---:|---:|---:|",
     ]
 
@@ -209,10 +221,9 @@ def headline() -> str:
 
     for n in sizes:
         k = f"{_x(kern[n]['paired_speedup_median'])}" if n in kern else "-"
-        out.append(
-            f"| {n} | {k} | {cell(book, f'steady-{n}')} / {cell(book, f'busy-{n}')} "
-            f"| {cell(run, f'steady-{n}')} / {cell(run, f'busy-{n}')} |"
-        )
+        b = " / ".join(cell(book, f"{kind}-{n}") for kind in KINDS)
+        r = " / ".join(cell(run, f"{kind}-{n}") for kind in KINDS)
+        out.append(f"| {n} | {k} | {b} | {r} |")
     return "\n".join(out)
 
 
@@ -342,8 +353,8 @@ def plots() -> list[str]:
         ),
     ):
         m, res = data
-        fig, axes = plt.subplots(1, 2, figsize=(11, 4.2), sharey=True)
-        for ax, kind in zip(axes, ("steady", "busy")):
+        fig, axes = plt.subplots(1, len(KINDS), figsize=(5.5 * len(KINDS), 4.2), sharey=True)
+        for ax, kind in zip(axes, KINDS):
             rs = sorted((r for r in res if r["workload"].startswith(kind + "-")), key=lambda r: _n(r["workload"]))
             ns = [_n(r["workload"]) for r in rs]
             ax.plot(ns, [r[off_key] for r in rs], "o-", color="tab:gray", label="vLLM 0.34.0")
@@ -357,7 +368,7 @@ def plots() -> list[str]:
             ax.xaxis.set_minor_locator(matplotlib.ticker.NullLocator())
             ax.set_ylim(0.4 * min(r[on_key] for r in res), 1.5 * max(r[off_key] for r in res))  # room for labels
             ax.set_xlabel("running requests (N)")
-            ax.set_title("steady decode" if kind == "steady" else "busy (arrivals and finishes every step)")
+            ax.set_title(KIND_TITLES[kind])
             ax.grid(True, which="major", alpha=0.3)
         axes[0].set_ylabel("median us per step (log)")
         axes[0].legend(loc="upper left")

@@ -219,3 +219,60 @@ def test_vllm_check_without_vllm(capsys, monkeypatch):
     rc, out, err = run_main(["vllm-check", "--json"], capsys)
     facts = json.loads(out)
     assert rc == 1 and facts["would_apply"] is False and facts["vllm"] is None
+
+
+def _bench_vllm_in(tmp_path, *args, pythonpath=None):
+    """``mtpstate bench-vllm`` in a fresh process started in ``tmp_path``,
+    with ``pythonpath`` (a directory) first on the path: as a user runs it."""
+    env = {k: v for k, v in __import__("os").environ.items() if k != "PYTHONPATH"}
+    if pythonpath is not None:
+        env["PYTHONPATH"] = str(pythonpath)
+    return _cli("bench-vllm", *args, cwd=tmp_path, env=env)
+
+
+def _unusable(p, tmp_path, *words):
+    """One line on stderr, exit status 2, nothing written, nothing run."""
+    assert p.returncode == 2, (p.returncode, p.stdout, p.stderr)
+    one_line_error(p.stderr, *words)
+    assert p.stdout == "" and not (tmp_path / "out.json").exists()
+
+
+def test_bench_vllm_without_vllm(tmp_path):
+    """No vLLM in this environment (`make test` installs none): the line says
+    so and where it looked; with --device cuda too (vLLM is checked first)."""
+    import importlib.util
+
+    if importlib.util.find_spec("vllm") is not None:
+        pytest.skip("vLLM is installed here: integrations/vllm/test_bench_vllm.py covers bench-vllm with it")
+    for argv in ([], ["--device", "cuda"]):
+        p = _bench_vllm_in(tmp_path, "--quick", "--json", "out.json", *argv)
+        _unusable(p, tmp_path, "vLLM is not installed", sys.executable)
+
+
+def test_bench_vllm_unsupported_version(tmp_path):
+    """A vLLM that is not a supported release (a package that says it is
+    0.1.0), or one whose version cannot be read: refused, by name, before
+    anything of it beyond its version module runs."""
+    fake = tmp_path / "site" / "vllm"
+    fake.mkdir(parents=True)
+    (fake / "__init__.py").write_text("")
+    (fake / "version.py").write_text("__version__ = '0.1.0'\n")
+    (fake / "platforms.py").write_text("raise RuntimeError('bench-vllm ran vLLM before checking its version')\n")
+    p = _bench_vllm_in(tmp_path, "--quick", "--json", "out.json", pythonpath=tmp_path / "site")
+    _unusable(p, tmp_path, "vLLM 0.1.0 is not a supported version", "0.34.0")
+    (fake / "version.py").write_text("raise ImportError('a broken install')\n")
+    p = _bench_vllm_in(tmp_path, "--quick", "--json", "out.json", pythonpath=tmp_path / "site")
+    _unusable(p, tmp_path, "`import vllm.version` fails")
+
+
+def test_bench_vllm_usage_errors(tmp_path):
+    for argv, flag in (
+        (["--sizes", "0"], "--sizes"),
+        (["--workload", "nope"], "--workload"),
+        (["--device", "tpu"], "--device"),
+        (["--repeats", "0"], "--repeats"),
+        (["--json", str(tmp_path / "no" / "such" / "dir" / "out.json")], "--json"),
+    ):
+        p = _cli("bench-vllm", *argv)
+        assert p.returncode == 2, (argv, p.stderr)
+        assert flag in p.stderr and "Traceback" not in p.stderr

@@ -6,12 +6,15 @@ engine core runs it) is driven by a fake model
 worker receives it (and also as a pickled copy), to the reference (vLLM's
 real ``RequestState``, ``BlockTables``, staging and runner methods, on CPU:
 ``mtpstate.tools.vllm_bench.reference`` and ``shims``) and to mtpstate; the
-differentials (``differential.py``) compare them after every step, the
-negative controls (``sabotage.py``) must disagree, and ``--bench`` times them
-(``mtpstate.tools.vllm_bench.bench``). Needs vLLM's source on ``sys.path``
-(``make test-vllm`` sets it up; nothing is built and no model is downloaded).
+differentials (``differential.py``) compare them after every step, and the
+negative controls (``sabotage.py``) must disagree; ``--breakdown`` times the
+runner's host step with mtpstate on method by method. The paired benchmarks
+are ``mtpstate bench-vllm`` (``make bench-vllm``). Needs vLLM's source on
+``sys.path`` (``make test-vllm`` sets it up; nothing is built and no model is
+downloaded).
 
-Run: ``python integrations/vllm/harness.py [--workload NAME] [--bench] [--runner]``.
+Run: ``python integrations/vllm/harness.py [--workload NAME] [--runner [--deferred | --sabotage KIND]]
+[--breakdown]``.
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ from dataclasses import replace
 from differential import run_runner_differential, run_workload
 from sabotage import SABOTAGE, sabotage
 
-from mtpstate.tools.vllm_bench.bench import bench_workload, breakdown_workload, run_machine
+from mtpstate.tools.vllm_bench.bench import breakdown_workload, run_machine
 from mtpstate.tools.vllm_bench.reference import load_plugin
 from mtpstate.tools.vllm_bench.shims import install_cpu_shims
 from mtpstate.tools.vllm_bench.workloads import BENCH_WORKLOADS, WORKLOADS, write_model_dir
@@ -37,7 +40,7 @@ def main(argv=None) -> int:
         "--workload",
         choices=sorted({**WORKLOADS, **BENCH_WORKLOADS}),
         action="append",
-        help="default: all (with --bench: the timing workloads)",
+        help="default: all (with --breakdown: the timing workloads)",
     )
     p.add_argument("--steps", type=int, help="override each workload's step count")
     p.add_argument(
@@ -46,14 +49,15 @@ def main(argv=None) -> int:
         metavar="N",
         help="each workload's step count x N / 400, at most N (what make test-vllm runs)",
     )
-    p.add_argument("--bench", action="store_true", help="paired timing instead of the differential")
     p.add_argument(
         "--runner",
         action="store_true",
         help="the runner as mtpstate's vLLM plugin patches it (on) against vLLM's own methods (off)",
     )
     p.add_argument(
-        "--breakdown", action="store_true", help="with --bench --runner: the mtpstate side's time by runner method"
+        "--breakdown",
+        action="store_true",
+        help="instead of the differential: the runner's host step with mtpstate on, timed by method",
     )
     p.add_argument(
         "--sabotage",
@@ -68,23 +72,21 @@ def main(argv=None) -> int:
     p.add_argument("--json", metavar="FILE")
     args = p.parse_args(argv)
     install_cpu_shims()
-    if args.runner:
+    if args.runner or args.breakdown:
         load_plugin()  # through vLLM's own plugin loader, as every vLLM process
     if args.sabotage:
         sabotage(args.sabotage)
     model_dir = write_model_dir()
     table = {**WORKLOADS, **BENCH_WORKLOADS}
-    names = args.workload or sorted(BENCH_WORKLOADS if args.bench else WORKLOADS)
+    names = args.workload or sorted(BENCH_WORKLOADS if args.breakdown else WORKLOADS)
     results, failed = [], False
     for name in names:
         w = table[name] if args.steps is None else replace(table[name], steps=args.steps)
         if args.scale_steps is not None:
             w = replace(w, steps=min(w.steps * args.scale_steps // 400, args.scale_steps))
         t0 = time.perf_counter()
-        if args.bench and args.breakdown:
+        if args.breakdown:
             r = breakdown_workload(w, model_dir)
-        elif args.bench:
-            r = bench_workload(w, model_dir, runner=args.runner)
         elif args.runner:
             r = run_runner_differential(w, model_dir, deferred=args.deferred)
         else:
@@ -92,7 +94,7 @@ def main(argv=None) -> int:
         r["seconds"] = time.perf_counter() - t0
         results.append(r)
         print(json.dumps(r), flush=True)
-        if not args.bench:
+        if not args.breakdown:
             failed |= r["disagreements"] > 0
             failed |= not args.runner and w.num_spec > 0 and r["control_disagreements"] == 0
     if args.json:

@@ -76,16 +76,7 @@ def _vllm_upload(vllm_src: str, torch, device, size):
     from vllm.utils import torch_utils
     from vllm.v1.worker.gpu import buffer_utils
 
-    def uva_view(cpu):
-        class _Iface:
-            __cuda_array_interface__ = {
-                "data": (cpu.data_ptr(), False),
-                "shape": tuple(cpu.shape),
-                "typestr": {torch.int32: "<i4", torch.int64: "<i8", torch.float32: "<f4"}[cpu.dtype],
-                "version": 3,
-            }
-
-        return torch.as_tensor(_Iface(), device=device)
+    from mtpstate.tools.vllm_bench.shims import uva_view
 
     torch_utils.get_accelerator_view_from_cpu_tensor = uva_view
     buffer_utils.get_accelerator_view_from_cpu_tensor = uva_view

@@ -1,4 +1,4 @@
-"""Command line: ``mtpstate sim | replay | bench | warmup | vllm-check`` (also ``python -m mtpstate``).
+"""Command line: ``mtpstate sim | replay | bench | bench-vllm | warmup | vllm-check`` (also ``python -m mtpstate``).
 
 Every user error is one line on stderr that names the flag or file, with exit
 status 2 (usage: checked before any work starts) or 1 (runtime); ``--debug``
@@ -189,6 +189,24 @@ examples:
   mtpstate bench --only vllm --sizes 1,1024,4096 --json out.json --plot out.png
   mtpstate bench --only device --json device.json   # the device mirror (N = 1,16,256,1024,4096)"""
 
+BENCH_VLLM_HELP = """\
+Measure mtpstate on the vLLM installed here: that vLLM's own Scheduler /
+AsyncScheduler drives the embedded workloads (steady decode; busy, with
+arrivals and finishes every step; chunked prefill), MTP k = 3, and each step
+is timed paired and interleaved at two levels: the bookkeeping (vLLM's
+finish/add/update + gather_batch_req_state vs RequestTable.apply) and the
+runner's host step up to the forward (mtpstate's plugin on vs off). On
+--device cpu, vLLM's device launches are counted no-ops (the header lists the
+shims); on --device cuda nothing is shimmed (on vLLM's source without its
+compiled ops, only what needs them: the header says which). Downloads nothing. The default
+run (N = 1,16,256,1024,4096, both levels) takes 15-25 minutes on 2 cores;
+--quick (N = 16, 20 steps) under a minute.
+
+examples:
+  mtpstate bench-vllm --quick
+  mtpstate bench-vllm --device cuda --sizes 1,256,4096 --json gpu.json
+  mtpstate bench-vllm --workload chunked --level runner --plot chunked.png"""
+
 WARMUP_HELP = """\
 Compile mtpstate's kernels now (or load them from numba's on-disk cache), so
 that no compilation lands on a serving process's first step. Run it in an
@@ -223,7 +241,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="mtpstate",
         description="Batched request state for LLM serving engines: tools for perf engineers.",
         epilog="examples:\n  mtpstate bench --quick\n  mtpstate sim --steps 500 --out run.trace\n"
-        "  mtpstate replay run.trace\n  mtpstate warmup\n  mtpstate vllm-check",
+        "  mtpstate replay run.trace\n  mtpstate warmup\n  mtpstate vllm-check\n  mtpstate bench-vllm --quick",
         formatter_class=_Formatter,
         parents=[top],
     )
@@ -302,6 +320,23 @@ def build_parser() -> argparse.ArgumentParser:
     )
     b.add_argument("--json", metavar="FILE", help="write results and run metadata as JSON")
     b.add_argument("--plot", metavar="FILE.png", help="write a plot, one panel per workload (needs matplotlib)")
+
+    v = command("bench-vllm", "mtpstate vs the vLLM installed here, on its own scheduler steps", BENCH_VLLM_HELP)
+    v.add_argument("--quick", action="store_true", help="one size (N = 16), 20 steps per workload, 2 repeats")
+    v.add_argument(
+        "--sizes", type=_ints(1, hi=16384), metavar="N[,N...]", help="running requests (default: 1,16,256,1024,4096)"
+    )
+    v.add_argument(
+        "--workload",
+        choices=["steady", "busy", "chunked"],
+        action="append",
+        help="a workload kind; repeat for several (default: all three)",
+    )
+    v.add_argument("--level", choices=["bookkeeping", "runner", "both"], default="both", help="what is timed")
+    v.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="cuda: nothing shimmed, run on the GPU")
+    v.add_argument("--repeats", type=_int(1, 100), help="passes over the recorded steps (default: 5; --quick 2)")
+    v.add_argument("--json", metavar="FILE", help="write results and run metadata as JSON")
+    v.add_argument("--plot", metavar="FILE.png", help="plot us per step against N, one panel per level (matplotlib)")
 
     command("warmup", "compile the kernels now (ahead of a server's first step)", WARMUP_HELP)
 
@@ -417,6 +452,46 @@ def _cmd_bench(args) -> None:
     )
 
 
+def _cmd_bench_vllm(args) -> None:
+    import logging
+
+    from mtpstate.tools import bench_vllm
+
+    _check_output(args.json, "--json")
+    _check_output(args.plot, "--plot")
+    _check_plot_deps(args.plot)
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")  # before vLLM's first import: its start-up lines
+    try:
+        found = bench_vllm.check_environment(args.device)
+    except bench_vllm.UnusableEnvironment as e:
+        raise CliError(str(e), EXIT_USAGE) from None
+    logging.getLogger("vllm").setLevel(logging.ERROR)  # the scheduler's start-up lines are not the report
+    shims = bench_vllm.prepare(args.device)
+    for line in bench_vllm.header(found, args.device, shims):
+        print(line)
+    print(bench_vllm.table_header(), flush=True)
+    levels = bench_vllm.LEVELS if args.level == "both" else (args.level,)
+    doc = bench_vllm.run(
+        found,
+        device=args.device,
+        kinds=tuple(dict.fromkeys(args.workload)) if args.workload else None,
+        sizes=args.sizes,
+        levels=levels,
+        repeats=args.repeats,
+        quick=args.quick,
+        shims=shims,
+        on_result=lambda r: print(bench_vllm.table_row(r), flush=True),
+    )
+    print(bench_vllm.LEGEND)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(doc, f, indent=1)
+        _wrote(args.json)
+    if args.plot:
+        bench_vllm.plot(doc, args.plot)
+        _wrote(args.plot)
+
+
 def _cmd_warmup(args) -> None:
     import mtpstate
     from mtpstate._kernels.jit import COMPILE_NOTICE
@@ -464,6 +539,7 @@ COMMANDS = {
     "sim": _cmd_sim,
     "replay": _cmd_replay,
     "bench": _cmd_bench,
+    "bench-vllm": _cmd_bench_vllm,
     "warmup": _cmd_warmup,
     "vllm-check": _cmd_vllm_check,
 }

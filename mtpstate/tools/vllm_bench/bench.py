@@ -1,7 +1,13 @@
 """Paired timing on vLLM's real steps: the bookkeeping (vLLM's
 finish/add/update + ``gather_batch_req_state`` against
 ``RequestTable.apply``) and the runner's host step up to the forward
-(mtpstate on through the plugin, off), recorded once, interleaved per step."""
+(mtpstate on through the plugin, off), recorded once, interleaved per step.
+
+``device="cpu"``: vLLM's device launches (its Triton kernels) and the
+mirror's device work are counted no-ops (``shims``); ``"cuda"``: nothing is
+shimmed, everything runs on the GPU, and the device is synchronized after
+each side's step, outside the timed region, so that no side's time includes
+the other's queued work."""
 
 from __future__ import annotations
 
@@ -21,7 +27,7 @@ from mtpstate.tools.vllm_bench.workloads import Workload
 # paired timing on the real steps
 
 
-def bench_workload(w: Workload, model_dir: str, repeats: int = 5, runner: bool = False) -> dict:
+def bench_workload(w: Workload, model_dir: str, repeats: int = 5, runner: bool = False, device: str = "cpu") -> dict:
     """Record the workload's steps once, then time, per step and interleaved,
     MRV2's host path (finish/add/update, then the batch -> row mapping of
     ``gather_batch_req_state``) against ``RequestTable.apply`` + ``rows`` for
@@ -30,9 +36,23 @@ def bench_workload(w: Workload, model_dir: str, repeats: int = 5, runner: bool =
     computed outside the timed region: both sides need it. ``runner``: the
     runner as the plugin patches it, mtpstate on, against vLLM's own
     methods, over the host part of ``execute_model`` up to the forward
-    (``_bench_runner``)."""
-    with _staging_launches_as_no_ops():
-        return _bench_runner(w, model_dir, repeats) if runner else _bench(w, model_dir, repeats)
+    (``_bench_runner``). ``device``: "cpu" (the shims; launches are no-ops)
+    or "cuda" (nothing shimmed)."""
+    ctx = _staging_launches_as_no_ops() if device == "cpu" else contextlib.nullcontext()
+    with ctx:
+        r = _bench_runner(w, model_dir, repeats, device) if runner else _bench(w, model_dir, repeats, device)
+    r["device"] = device
+    return r
+
+
+def _synchronizer(device: str):
+    """What ends a side's step outside the timed region: the device drained
+    (CUDA), nothing on the CPU."""
+    if device == "cpu":
+        return lambda: None
+    import torch
+
+    return torch.cuda.synchronize
 
 
 @contextlib.contextmanager
@@ -70,28 +90,40 @@ def _quiet(so) -> bool:
 def recorded_steps(w, model_dir):
     """The workload's steps, recorded once from vLLM's scheduler: (pickled
     steps, which of them are timed, the KV-cache groups' block sizes). A
-    ``steady-*`` workload times only the steps that add and finish nothing."""
+    ``steady-*`` workload times only the steps that add and finish nothing;
+    a ``chunked-*`` one, the steps from the first that runs its whole burst
+    (the decodes beside the chunked prefills); any other, every step."""
     drv = Driver(w, model_dir)
     steps = list(drv.steps())
-    timed = [not w.name.startswith("steady") or _quiet(so) for so in steps]
+    if w.name.startswith("steady"):
+        timed = [_quiet(so) for so in steps]
+    elif w.name.startswith("chunked"):
+        full = [len(so.num_scheduled_tokens) >= w.initial for so in steps]
+        first = full.index(True) if True in full else len(steps)
+        timed = [i >= first for i in range(len(steps))]
+    else:
+        timed = [True] * len(steps)
     return [pickle.dumps(so) for so in steps], timed, drv.block_sizes
 
 
-def _bench(w, model_dir, repeats):
+def _bench(w, model_dir, repeats, device):
     """Per step, interleaved: vLLM (finish/free_states/add/update_requests,
     apply_staged_writes, then gather_batch_req_state) against
     ``RequestTable(decode_query_len=...).apply(so).batch``, and
-    ``RequestTable.apply`` alone (no batch) for the apply-only figure. A
-    ``steady-*`` workload times only the steps that add and finish nothing."""
+    ``RequestTable.apply`` alone (no batch) for the apply-only figure. On
+    CUDA both sides ship their state to the device: vLLM its staged writes,
+    mtpstate its mirror (``RequestTable(device="cuda")``)."""
     import mtpstate
 
     blobs, timed, block_sizes = recorded_steps(w, model_dir)
-    kw = dict(max_num_reqs=w.max_num_seqs, max_model_len=w.max_model_len, block_sizes=block_sizes)
+    mirror = None if device == "cpu" else device
+    kw = dict(max_num_reqs=w.max_num_seqs, max_model_len=w.max_model_len, block_sizes=block_sizes, device=mirror)
+    sync = _synchronizer(device)
     dq = 1 + w.num_spec
     t_ref, t_ours, t_apply, running = [], [], [], []
     for _ in range(repeats):
         args = (w.max_num_seqs, w.max_model_len, w.max_num_batched_tokens, block_sizes, w.num_spec)
-        ref = MRV2Reference(*args)
+        ref = MRV2Reference(*args, device=device)
         ours = mtpstate.RequestTable(**kw, decode_query_len=dq)
         alone = mtpstate.RequestTable(**kw)
         for b, keep in zip(blobs, timed):
@@ -100,21 +132,26 @@ def _bench(w, model_dir, repeats):
             ref.apply(s1)
             vb = ref.gather(s1)
             t1 = time.perf_counter()
+            sync()
+            t1s = time.perf_counter()
             m2 = ours.apply(s2).batch.idx_mapping_np
             t2 = time.perf_counter()
+            sync()
+            t2s = time.perf_counter()
             alone.apply(s3)
             t3 = time.perf_counter()
+            sync()
             assert len(m2) == len(vb.idx_mapping_np)
             if keep:
                 t_ref.append(t1 - t0)
-                t_ours.append(t2 - t1)
-                t_apply.append(t3 - t2)
+                t_ours.append(t2 - t1s)
+                t_apply.append(t3 - t2s)
                 running.append(len(s1.num_scheduled_tokens))
     ratios = np.array(t_ref) / np.array(t_ours)
     n_med = statistics.median(running)
     return {
         "workload": w.name,
-        "subject": "RequestTable.apply(so).batch",
+        "subject": "RequestTable.apply(so).batch" + ("" if mirror is None else f" (mirrored to {device})"),
         "steps": len(blobs),
         "timed_steps": len(t_ref),
         "repeats": repeats,
@@ -133,10 +170,11 @@ def _bench(w, model_dir, repeats):
 PHASES = ("update", "gather", "prepare")
 
 
-def _timed_host_step(sub, so, out):
+def _timed_host_step(sub, so, out, sync):
     """``MRV2Reference.host_step`` with a clock between its phases: finish ..
     update_requests + apply_staged_writes; gather_batch_req_state;
-    prepare_inputs + prepare_attn. Appends the three durations to ``out``."""
+    prepare_inputs + prepare_attn. Appends the three durations to ``out``,
+    then ``sync()`` (untimed)."""
     t0 = time.perf_counter()
     sub.apply(so)
     t1 = time.perf_counter()
@@ -145,9 +183,10 @@ def _timed_host_step(sub, so, out):
     sub.prepare(so, batch)
     t3 = time.perf_counter()
     out.append((t1 - t0, t2 - t1, t3 - t2))
+    sync()
 
 
-def _bench_runner(w, model_dir, repeats):
+def _bench_runner(w, model_dir, repeats, device):
     """The patched runner with mtpstate on against itself off (vLLM's own
     code paths), per step and interleaved (which side goes first alternates
     by repeat), on freshly unpickled steps: the host part of
@@ -156,16 +195,17 @@ def _bench_runner(w, model_dir, repeats):
     Also counts the torch operator calls per step on each side."""
     blobs, timed, block_sizes = recorded_steps(w, model_dir)
     args = (w.max_num_seqs, w.max_model_len, w.max_num_batched_tokens, block_sizes, w.num_spec)
+    sync = _synchronizer(device)
     times = {False: [], True: []}
     running, with_new = [], []
     for rep in range(repeats):
-        sides = {False: MRV2Reference(*args), True: MRV2Reference(*args, use_mtpstate=True)}
+        sides = {on: MRV2Reference(*args, use_mtpstate=on, device=device) for on in (False, True)}
         order = (False, True) if rep % 2 == 0 else (True, False)
         for b, keep in zip(blobs, timed):
             sos = {on: pickle.loads(b) for on in order}
             mark = {on: len(times[on]) for on in order}
             for on in order:
-                _timed_host_step(sides[on], sos[on], times[on])
+                _timed_host_step(sides[on], sos[on], times[on], sync)
             if not keep:
                 for on in order:
                     del times[on][mark[on] :]
@@ -176,7 +216,7 @@ def _bench_runner(w, model_dir, repeats):
     on = np.array(times[True])
     t_off, t_on = off.sum(axis=1), on.sum(axis=1)
     ratios = t_off / t_on
-    ops = _torch_op_counts(w, block_sizes, blobs, timed)
+    ops = _torch_op_counts(w, block_sizes, blobs, timed, device)
     med = lambda a: float(np.median(a)) * 1e6  # noqa: E731  (us)
     return {
         "workload": w.name,
@@ -259,13 +299,16 @@ def breakdown_workload(w: Workload, model_dir: str, repeats: int = 3) -> dict:
     return {"workload": w.name, "breakdown_us": {k: statistics.median(v) * 1e6 for k, v in out.items()}}
 
 
-def _torch_op_counts(w, block_sizes, blobs, timed) -> dict:
+def _torch_op_counts(w, block_sizes, blobs, timed, device="cpu") -> dict:
     """torch operator calls per step (a TorchDispatchMode counter, in a pass
     of its own: counting slows the calls) on each side, over the timed part
     (``MRV2Reference.host_step``): on a GPU each is a kernel launch, a copy
-    or a view. The no-op'd launches (Triton kernels, the mirror's copies and
-    scatters) are counted apart (``no_op_launches``). Split by steps with and
-    without new requests, to show whether the count grows with them."""
+    or a view. Device launches the counter does not see (Triton kernels; the
+    mirror's graph replay) are counted apart: on the CPU as the no-ops that
+    stand for them (``no_op_launches``), on CUDA as the runtime and driver
+    calls the profiler records (``cuda_launches``, a third pass). Split by
+    steps with and without new requests, to show whether counts grow with
+    them."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
     class Count(TorchDispatchMode):
@@ -275,36 +318,70 @@ def _torch_op_counts(w, block_sizes, blobs, timed) -> dict:
             Count.n += 1
             return func(*args, **(kwargs or {}))
 
+    def per_kind(values: dict) -> dict:
+        return {k: (statistics.median(v) if v else None) for k, v in values.items()}
+
+    sync = _synchronizer(device)
+    args = (w.max_num_seqs, w.max_model_len, w.max_num_batched_tokens, block_sizes, w.num_spec)
     out = {}
     for side, on in (("vllm", False), ("mtpstate", True)):
-        args = (w.max_num_seqs, w.max_model_len, w.max_num_batched_tokens, block_sizes, w.num_spec)
-        ref = MRV2Reference(*args, use_mtpstate=on)
+        ref = MRV2Reference(*args, use_mtpstate=on, device=device)
         counts = {"with_new": [], "without_new": []}
-        triton = {"with_new": [], "without_new": []}
+        launches = {"with_new": [], "without_new": []}
         for b, keep in zip(blobs, timed):
             so = pickle.loads(b)
             Count.n = 0
             launched = _NoLaunch.launches
             with Count():
                 ref.host_step(so)
+            sync()
             if keep:
                 kind = "with_new" if so.scheduled_new_reqs else "without_new"
                 counts[kind].append(Count.n)
-                triton[kind].append(_NoLaunch.launches - launched)
-        out[side] = {k: (statistics.median(v) if v else None) for k, v in counts.items()}
+                launches[kind].append(_NoLaunch.launches - launched)
+        out[side] = per_kind(counts)
         out[side]["max"] = max(counts["with_new"] + counts["without_new"])
-        # device launches no-op'd here (Triton kernels; the mirror's copies
-        # and scatters), per step
-        out[side]["no_op_launches"] = {k: (statistics.median(v) if v else None) for k, v in triton.items()}
+        if device == "cpu":
+            out[side]["no_op_launches"] = per_kind(launches)
+        else:
+            out[side]["cuda_launches"] = per_kind(_cuda_launch_counts(args, on, device, blobs, timed))
     return out
 
 
-def run_machine() -> dict:
+# the CUDA runtime / driver calls that put work on a stream
+_LAUNCH_CALLS = ("LaunchKernel", "GraphLaunch", "MemcpyAsync", "MemsetAsync", "cuLaunch", "cuMemcpy", "cuMemset")
+
+
+def _cuda_launch_counts(args, on, device, blobs, timed) -> dict:
+    """Per timed step, the calls that put work on a CUDA stream during
+    ``host_step`` (kernel and graph launches, asynchronous copies and
+    memsets), as torch's profiler records them: one profile per step."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    ref = MRV2Reference(*args, use_mtpstate=on, device=device)
+    counts = {"with_new": [], "without_new": []}
+    for b, keep in zip(blobs, timed):
+        so = pickle.loads(b)
+        if not keep:
+            ref.host_step(so)
+            torch.cuda.synchronize()
+            continue
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            ref.host_step(so)
+        torch.cuda.synchronize()
+        n = sum(1 for e in prof.events() if e.name.startswith("cu") and any(k in e.name for k in _LAUNCH_CALLS))
+        counts["with_new" if so.scheduled_new_reqs else "without_new"].append(n)
+    return counts
+
+
+def run_machine(device: str = "cpu") -> dict:
     """The machine and versions of a benchmark run, for its JSON."""
     from vllm.version import __version__ as vllm_version
 
     from mtpstate.tools.bench import machine_info
 
     machine = dict(machine_info(), vllm=vllm_version)
-    machine.pop("mirror_device", None)  # (the mirror's device work is counted, not run: see _no_ship)
+    if device == "cpu":
+        machine.pop("mirror_device", None)  # (the mirror's device work is counted, not run: see _no_ship)
     return machine

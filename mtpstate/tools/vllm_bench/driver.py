@@ -37,14 +37,16 @@ class Driver:
         from vllm.v1.request import Request
 
         w, rng = self.w, self.rng
-        plen = rng.randint(*w.prompt_len)
+        burst = self.n < w.initial
+        plen = rng.randint(*(w.prompt_len if burst or w.arrival_prompt_len is None else w.arrival_prompt_len))
+        max_tokens = w.max_tokens if burst or w.arrival_max_tokens is None else w.arrival_max_tokens
         prompt = [rng.randrange(3, VOCAB) for _ in range(plen)]
         if rng.random() < w.shared_prefix:
             prompt = self.prefix[: min(plen, len(self.prefix))] + prompt[len(self.prefix) :]
         suffix = f"{rng.getrandbits(32):08x}"
         rid = f"cmpl-{self.n}-{suffix}" if not w.unicode_ids else f"請求-{self.n}-é-{suffix}"
         self.n += 1
-        sp = self.SamplingParams(max_tokens=rng.randint(*w.max_tokens), ignore_eos=True)
+        sp = self.SamplingParams(max_tokens=rng.randint(*max_tokens), ignore_eos=True)
         if rng.random() < w.prompt_embeds:
             import torch
 

@@ -62,17 +62,25 @@ class MRV2Reference:
     bound to an object holding the real ``RequestState`` and ``BlockTables``."""
 
     def __init__(
-        self, max_num_reqs, max_model_len, max_num_batched_tokens, block_sizes, num_spec, use_mtpstate=False, ops=None
+        self,
+        max_num_reqs,
+        max_model_len,
+        max_num_batched_tokens,
+        block_sizes,
+        num_spec,
+        use_mtpstate=False,
+        ops=None,
+        device="cpu",
     ):
         import torch
         from vllm.v1.worker.gpu.block_table import BlockTables
         from vllm.v1.worker.gpu.model_runner import GPUModelRunner
         from vllm.v1.worker.gpu.states import RequestState
 
-        cpu = torch.device("cpu")
-        self.req_states = RequestState(max_num_reqs, max_model_len, max_num_batched_tokens, num_spec, VOCAB, cpu)
+        dev = torch.device(device)
+        self.req_states = RequestState(max_num_reqs, max_model_len, max_num_batched_tokens, num_spec, VOCAB, dev)
         widths = [math.ceil(max_model_len / b) for b in block_sizes]
-        self.block_tables = BlockTables(block_sizes, max_num_reqs, max_num_batched_tokens, widths, cpu)
+        self.block_tables = BlockTables(block_sizes, max_num_reqs, max_num_batched_tokens, widths, dev)
         for name in ("pooling_runner", "speculator", "encoder_cache", "adaptive_verification", "sampler"):
             setattr(self, name, None)
         self.prompt_logprobs_worker = self.pp_handler = self.kv_block_zeroer = None
@@ -87,8 +95,8 @@ class MRV2Reference:
         from vllm.v1.worker.gpu.input_batch import InputBuffers
 
         self.max_num_reqs = max_num_reqs
-        self.device = cpu
-        self.input_buffers = InputBuffers(max_num_reqs, max_num_batched_tokens, cpu)
+        self.device = dev
+        self.input_buffers = InputBuffers(max_num_reqs, max_num_batched_tokens, dev)
         self.fast_prefill = None
         self.model_config = SimpleNamespace(rswa_window=None)
         # what gather_batch_req_state reads besides the request state
@@ -152,8 +160,8 @@ class MRV2Reference:
         also vLLM's device-side tensors as its kernels read them (the
         patched runner writes them through mtpstate's mirror)."""
         rs, bt = self.req_states, self.block_tables
-        tokens = rs.all_token_ids.gpu.numpy()
-        tables = [t.gpu.numpy() for t in bt.block_tables]
+        tokens = rs.all_token_ids.gpu.cpu().numpy()
+        tables = [t.gpu.cpu().numpy() for t in bt.block_tables]
         out = {}
         for rid, r in rs.req_id_to_index.items():
             pl = int(rs.prefill_len.np[r])

@@ -102,3 +102,71 @@ class _NumpyWriteKernel:
                 flat = out.view(-1).numpy()
                 pos = int(idx[w]) * int(stride) + int(st[w])
                 flat[pos : pos + hi - lo] = c[lo:hi]
+
+
+# ----------------------------------------------------------------------------
+# CUDA from vLLM's source alone: where its compiled ops (``vllm._C*``) are
+# missing, only what needs them is replaced; everything else runs on the GPU
+
+# what install_source_cuda_shims() may replace, as the report names it
+CUDA_SOURCE_SHIMS = {
+    "platform": "vllm._C_stable_libtorch missing: an empty module, so that vLLM's CUDA platform loads",
+    "uva": "UVA views: torch.ops._C.get_cuda_view_from_cpu_tensor missing: the pinned buffer's device view "
+    "through __cuda_array_interface__",
+}
+
+
+def install_source_cuda_shims() -> tuple[str, ...]:
+    """Make vLLM's CUDA path usable when its compiled extension is not
+    built (its source tree on ``sys.path``, as on a machine it cannot be
+    pip-installed on). Returns the shims applied (``CUDA_SOURCE_SHIMS``'
+    lines): none where vLLM is a normal install."""
+    import importlib
+    import sys
+    import types
+
+    applied = []
+    try:
+        importlib.import_module("vllm._C_stable_libtorch")
+    except ImportError:
+        sys.modules["vllm._C_stable_libtorch"] = types.ModuleType("vllm._C_stable_libtorch")
+        applied.append(CUDA_SOURCE_SHIMS["platform"])
+    import torch
+
+    if not hasattr(torch.ops._C, "get_cuda_view_from_cpu_tensor"):
+        from vllm.utils import torch_utils
+        from vllm.v1.worker.gpu import buffer_utils
+
+        torch_utils.get_accelerator_view_from_cpu_tensor = uva_view
+        buffer_utils.get_accelerator_view_from_cpu_tensor = uva_view
+        applied.append(CUDA_SOURCE_SHIMS["uva"])
+    return tuple(applied)
+
+
+class _DeviceView:
+    """A pinned host tensor's memory as the GPU addresses it (under UVA, the
+    host address itself), described for ``torch.as_tensor``."""
+
+    def __init__(self, cpu):
+        self.cpu = cpu  # keeps the host memory alive as long as the view
+        self.__cuda_array_interface__ = {
+            "shape": tuple(cpu.shape),
+            "strides": tuple(s * cpu.element_size() for s in cpu.stride()),
+            "typestr": cpu.numpy().__array_interface__["typestr"],
+            "data": (cpu.data_ptr(), False),
+            "version": 3,
+        }
+
+
+def uva_view(cpu_tensor):
+    """What ``torch.ops._C.get_cuda_view_from_cpu_tensor`` returns: a CUDA
+    tensor over a pinned CPU tensor's memory (writes on the host are seen
+    by kernels that read it, as vLLM's UVA buffers rely on)."""
+    import torch
+
+    if not cpu_tensor.is_pinned():
+        raise ValueError("a UVA view needs a pinned CPU tensor")
+    view = _DeviceView(cpu_tensor)
+    out = torch.as_tensor(view, device="cuda")
+    out._mtpstate_host = view  # the host tensor outlives every view of it
+    return out

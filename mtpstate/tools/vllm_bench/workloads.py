@@ -87,6 +87,9 @@ class Workload:
     unicode_ids: bool = False
     prompt_embeds: float = 0.0  # fraction of requests sent as prompt embeddings (no prompt token ids)
     initial: int = 0  # requests added before the first step (a burst)
+    # requests arriving after the burst: their own lengths (None: as above)
+    arrival_prompt_len: tuple[int, int] | None = None
+    arrival_max_tokens: tuple[int, int] | None = None
     seed: int = 0
 
 
@@ -138,14 +141,21 @@ WORKLOADS = {
 }
 
 BENCH_SIZES = (1, 16, 256, 1024, 4096)
-# timing only (make bench-vllm): N running, steady decode (a burst, then no
-# arrivals; only steps with nothing added or finished are timed) and busy
-# (arrivals and finishes every step), MTP k=3
-BENCH_WORKLOADS = {
-    w.name: w
-    for n in BENCH_SIZES
-    for w in (
-        Workload(
+BENCH_KINDS = ("steady", "busy", "chunked")
+# timing only (mtpstate bench-vllm), MTP k=3, N running: steady decode (a
+# burst, then no arrivals; only steps with nothing added or finished are
+# timed); busy (arrivals and finishes every step); chunked prefill (N
+# decoding, and long prompts arriving whose prefill is split over steps by
+# the token budget: 512 tokens a step beyond the decodes; timed from the
+# first step that runs all N)
+
+
+def sized_workload(kind: str, n: int) -> Workload:
+    """The ``kind`` bench workload (``BENCH_KINDS``) with ``n`` requests running."""
+    if kind not in BENCH_KINDS:
+        raise ValueError(f"unknown bench workload kind {kind!r}; one of {', '.join(BENCH_KINDS)}")
+    if kind == "steady":
+        return Workload(
             f"steady-{n}",
             steps=60,
             num_spec=3,
@@ -158,8 +168,9 @@ BENCH_WORKLOADS = {
             abort=0.0,
             num_blocks=n * 40,
             seed=11,
-        ),
-        Workload(
+        )
+    if kind == "busy":
+        return Workload(
             f"busy-{n}",
             steps=60,
             num_spec=3,
@@ -172,9 +183,27 @@ BENCH_WORKLOADS = {
             abort=0.2,
             num_blocks=n * 40,
             seed=12,
-        ),
+        )
+    return Workload(  # chunked
+        f"chunked-{n}",
+        steps=60,
+        num_spec=3,
+        max_num_seqs=n + 4,
+        max_num_batched_tokens=4 * n + 512,
+        max_model_len=4096,
+        arrivals=0.5,
+        initial=n,
+        prompt_len=(8, 64),
+        max_tokens=(400, 500),
+        arrival_prompt_len=(1024, 3072),
+        arrival_max_tokens=(1, 4),
+        abort=0.0,
+        num_blocks=n * 40 + 2048,
+        seed=13,
     )
-}
+
+
+BENCH_WORKLOADS = {w.name: w for n in BENCH_SIZES for w in (sized_workload(k, n) for k in BENCH_KINDS)}
 
 
 def make_scheduler(w: Workload, model_dir: str):
