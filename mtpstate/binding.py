@@ -317,25 +317,6 @@ class Step:
         self.new = ()
         self.keep = []
 
-    def args(self) -> tuple:
-        """The kernel's argument tuple (``A_*`` slots)."""
-        kind, addr, n = self.vec if self.vec is not None else (0, 0, 0)
-        return (
-            self.fin,
-            self.pre,
-            self.desc or None,
-            self.cid,
-            kind,
-            addr,
-            n,
-            self.cblk,
-            self.cres,
-            self.nst,
-            self.spec,
-            self.total,
-            self.reqs,
-        )
-
 
 def read_cached(cached) -> tuple:
     """(req_ids, num_computed_tokens, new_block_ids, resumed_req_ids) of

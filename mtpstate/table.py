@@ -132,7 +132,7 @@ class RequestTable:
         self._bt_w = np.array(widths, np.int64)
         self._flat_bt = np.zeros(ng, np.int64)
         # prediction of each update's rows from the previous one: double
-        # buffered, [2, max_num_reqs] (see _kernels.step)
+        # buffered, [2, max_num_reqs] (see _kernels.update)
         self._prev_obj = np.zeros((2, R), np.int64)
         self._prev_row = np.full((2, R), -1, np.int32)
         self._row_prev_pos = np.full((2, R), -1, np.int32)
@@ -254,17 +254,15 @@ class RequestTable:
         if mirror is not None:
             mirror.begin_step()
         status = tb_apply(self._ix_addr, self._tb_addr, id(args))
+        cv = self._cv
         if mirror is not None:
             if status == K.OK:
-                cv = self._cv
                 mirror.end_step(cv[T.TB_STG_N], cv[T.TB_STG_TOK_N], cv[T.TB_STG_DUPS] != 0)
             else:
                 mirror.abort_step()
+        if status == K.OK and cv[T.TB_B_N] == -2:
+            _no_batch_list()
         return status
-
-    def _check_batch(self) -> None:
-        if self._cv[T.TB_B_N] == -2:
-            raise MemoryError("mtpstate: no memory for the batch's req_ids list (the step itself was applied)")
 
     def _launch(self, b: Step) -> None:
         """Run the step kernel on a bound step; handle the retry statuses
@@ -277,9 +275,8 @@ class RequestTable:
         ixc = self._index._ctx
         try:
             while True:
-                status = self._run_kernel(b.args())
+                status = self._run_kernel(_kernel_args(b))
                 if status == K.OK:
-                    self._check_batch()
                     if b.fin is not None or b.pre is not None or b.new or b.reqs is not None:
                         self._index._maybe_shrink_arena()  # rows were freed
                     return
@@ -398,8 +395,8 @@ class RequestTable:
                         else self._run_kernel(args)
                     )
                     if status == K.OK:
-                        if batch is not None:
-                            self._check_batch()
+                        if batch is not None and self._cv[T.TB_B_N] == -2:
+                            _no_batch_list()  # (_run_kernel checks it itself)
                         return self._result
                 # anything else: the general handling (the kernel changed nothing)
         self._launch(bind(fin, pre, new, cfields, batch))
@@ -487,7 +484,7 @@ class RequestTable:
 
     def __del__(self):
         # the kernels hold a reference to each id object of the current
-        # prediction buffer (see _kernels.step); give them back. At
+        # prediction buffer (see _kernels.update); give them back. At
         # interpreter exit modules may be half torn down: then do nothing.
         try:
             ctx = self._ctx
@@ -561,3 +558,27 @@ class RequestTable:
             f"RequestTable(max_num_reqs={self.max_num_reqs}, max_model_len={self.max_model_len}, "
             f"block_sizes={list(self.block_sizes)}, live={len(self)}{mirror})"
         )
+
+
+def _kernel_args(b: Step) -> tuple:
+    """The step kernel's argument tuple (``A_*`` slots) for a bound step."""
+    kind, addr, n = b.vec if b.vec is not None else (0, 0, 0)
+    return (
+        b.fin,
+        b.pre,
+        b.desc or None,
+        b.cid,
+        kind,
+        addr,
+        n,
+        b.cblk,
+        b.cres,
+        b.nst,
+        b.spec,
+        b.total,
+        b.reqs,
+    )
+
+
+def _no_batch_list() -> None:
+    raise MemoryError("mtpstate: no memory for the batch's req_ids list (the step itself was applied)")

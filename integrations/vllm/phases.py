@@ -28,7 +28,7 @@ import tempfile
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
 
-# (text in step.py the clock read goes before, phase that starts there)
+# (text in step.py / decode.py the clock read goes before, phase that starts there)
 GENERAL = (
     ("    nd, nn, st = _new_descriptors(", "new requests read (descriptors)"),
     ("    if fin != 0:\n        st = _check_freed(", "check finished and preempted"),
@@ -37,10 +37,10 @@ GENERAL = (
     ("    i_cid, i_cblk, st = _check_cached(", "check cached requests"),
     ("    if tb[TB_STG_ON] != 0 and sc[SC_NSTAGE]", "staging capacity"),
     ("    if nst != 0:\n        a_scr = tb[TB_SCR]", "batch: resolve"),
-    ("    # the arena grows (in Python)", "key arena"),
-    ("    _apply_freed(ix, tb, sc, cid != 0)", "apply: free rows"),
-    ("    ns, nt = _apply_new(", "apply: new requests"),
-    ("    # (freeing lowered the free-row hint", "apply: cached requests"),
+    ("    # the freed rows lowest first", "freed rows sorted, key arena"),
+    ("    _ix_commit(", "apply: index (free rows, add keys)"),
+    ("    res = view_i32(tb[TB_RES], 3 * R)", "apply: new requests"),
+    ("    _forget_freed(", "apply: cached requests"),
     ("    tb[TB_RES_NC] = sc[SC_NC]", "batch: write"),
 )
 UPDATE = (
@@ -83,22 +83,24 @@ def instrumented_copy(dst: str) -> None:
     size = int(text.split("\nTB_SIZE = ", 1)[1].split()[0])
     text = text.replace(f"\nTB_SIZE = {size}", f"\nTB_PROF = {size}\nTB_SIZE = {size + 32}")
     open(path, "w").write(text)
+    header = "from __future__ import annotations\n"
+    clock_imports = (
+        header + "from mtpstate._kernels.native import cycles\n" + "from mtpstate._kernels.slots import TB_PROF\n"
+    )
     path = os.path.join(k, "step.py")
-    s = open(path).read()
-    s = s.replace("from mtpstate._kernels.native import (", "from mtpstate._kernels.native import (\n    cycles,", 1)
-    s = s.replace("    TB_SIZE,", "    TB_SIZE,\n    TB_PROF,", 1)
+    s = open(path).read().replace(header, clock_imports, 1)
     start = s.index("def _general(")
     body = s[start:]
     for slot, (anchor, _) in enumerate(GENERAL):
         body = _clock(body, anchor, slot)
-    s = s[:start] + _clock(body, "    return OK\n", len(GENERAL), last=True)
+    open(path, "w").write(s[:start] + _clock(body, "    return OK\n", len(GENERAL), last=True))
+    path = os.path.join(k, "decode.py")
+    s = open(path).read().replace(header, clock_imports, 1)
     start = s.index("def _update_only(")
-    end = s.index("\n@jit", start)
-    body = s[start:end]
+    body = s[start:]
     for slot, (anchor, _) in enumerate(UPDATE):
         body = _clock(body, anchor, FIRST_UPDATE_SLOT + slot)
-    body = _clock(body, "    return OK\n", FIRST_UPDATE_SLOT + len(UPDATE), last=True)
-    open(path, "w").write(s[:start] + body + s[end:])
+    open(path, "w").write(s[:start] + _clock(body, "    return OK\n", FIRST_UPDATE_SLOT + len(UPDATE), last=True))
 
 
 def replay(pkg: str, path: str, repeats: int) -> dict:

@@ -20,7 +20,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from mtpstate._kernels.index import _hash_key, _ix_arrays, _ix_params, _probe, _raw_equal, _table_find
+from mtpstate._kernels.add import _table_find
+from mtpstate._kernels.index import _hash_key, _ix_arrays, _ix_params, _probe, _raw_equal
 from mtpstate._kernels.jit import jit
 from mtpstate._kernels.native import (
     DICT_MA_USED,

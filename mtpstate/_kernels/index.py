@@ -20,15 +20,7 @@ from __future__ import annotations
 import numpy as np
 
 from mtpstate._kernels.jit import jit
-from mtpstate._kernels.native import (
-    fmix,
-    load_u8,
-    load_u64,
-    mix,
-    view_i32,
-    view_i64,
-    view_u64,
-)
+from mtpstate._kernels.native import fmix, load_u8, load_u64, mix, view_i32, view_i64, view_u64
 from mtpstate._kernels.pyobjects import _item, _key_of, _pytypes, _seq
 from mtpstate._kernels.slots import (
     IX_ALLOW_BYTES,
@@ -229,10 +221,14 @@ def _write_key(ctx, keys, kw, key_len, row_hash, row, ptr, n, h):
     row_hash[row] = h
 
 
-@jit(signature="int64(int64[::1], int64)")
-def _arena_short(ctx, need_words):
-    """Words missing in the arena for ``need_words`` more (0: room enough)."""
-    return max(0, ctx[IX_ARENA_TOP] + need_words - ctx[IX_ARENA_CAP])
+@jit(signature="int64(int64[::1], int64[::1], int64)")
+def _arena_short(ctx, lens, n):
+    """Arena words missing for n more keys of ``lens[:n]`` bytes (0: room
+    enough)."""
+    need = 0
+    for i in range(n):
+        need += key_arena_words(lens[i])
+    return max(0, ctx[IX_ARENA_TOP] + need - ctx[IX_ARENA_CAP])
 
 
 @jit
@@ -271,6 +267,22 @@ def _ix_free_row(ctx, slots, row_hash, key_len, row):
     ctx[IX_NUM_LIVE] -= 1
     if row < ctx[IX_FREE_HINT]:
         ctx[IX_FREE_HINT] = row
+
+
+@jit
+def _ix_commit(ctx, freed, rows, ptrs, lens, hashes):
+    """A step's pass 2 in the index: free the rows ``freed`` (in that order),
+    then store new key i (``ptrs``, ``lens``, ``hashes``) at ``rows[i]``.
+    The step checked the arena has room (``_arena_short``)."""
+    slots, row_hash, keys, key_len = _ix_arrays(ctx)
+    mask, kw = ctx[IX_MASK], ctx[IX_KW]
+    for f in range(freed.shape[0]):
+        _ix_free_row(ctx, slots, row_hash, key_len, freed[f])
+    n = rows.shape[0]
+    for i in range(n):
+        _write_key(ctx, keys, kw, key_len, row_hash, rows[i], ptrs[i], lens[i], hashes[i])
+        _slot_insert(slots, mask, hashes[i], rows[i])
+    ctx[IX_NUM_LIVE] += n
 
 
 # ----------------------------------------------------------------------------
@@ -321,7 +333,6 @@ def ix_insert(ctx_addr, ids, out):
     while tsize < 2 * n:
         tsize *= 2
     batch = np.full(tsize, -1, np.int64)  # duplicate detection within the batch
-    need_words = 0
     for i in range(n):
         ptr, klen, st = _key_of(_item(items, i), allow, tp)
         if st != OK:
@@ -329,7 +340,6 @@ def ix_insert(ctx_addr, ids, out):
         if klen > ctx[IX_MAX_KEY]:
             return _set_err(ctx, E_ID_TOO_LONG, i, klen, 0)
         h = _hash_key(ptr, klen, seed, hmask)
-        need_words += key_arena_words(klen)
         if _probe(slots, mask, keys, kw, h, ptr, klen) >= 0:
             return _set_err(ctx, E_LIVE, i, 0, 0)
         s = np.int64(h & np.uint64(tsize - 1))
@@ -343,7 +353,7 @@ def ix_insert(ctx_addr, ids, out):
         lens[i] = klen
         hashes[i] = h
     # growing the arena is asked for only once all else is valid
-    short = _arena_short(ctx, need_words)
+    short = _arena_short(ctx, lens, n)
     if short > 0:
         return _set_err(ctx, E_KEY_TOO_LONG, -1, short, 0)
     cursor = ctx[IX_FREE_HINT]
@@ -387,36 +397,3 @@ def ix_rehash(ctx_addr):
     for r in range(ctx[IX_CAP]):
         if key_len[r] >= 0:
             _slot_insert(slots, ctx[IX_MASK], row_hash[r], r)
-
-
-# ----------------------------------------------------------------------------
-# small open-addressing tables of one step's own keys (new ids, resumed ids)
-
-
-@jit
-def _small_table(n):
-    tsize = 8
-    while tsize < 2 * n:
-        tsize *= 2
-    return np.full(tsize, -1, np.int64), tsize - 1
-
-
-@jit
-def _table_find(tab, tmask, t_hash, t_ptr, t_len, h, ptr, klen):
-    """Index of the key in a small table of this step's keys, or -1;
-    compared by bytes."""
-    s = np.int64(h & np.uint64(tmask))
-    while tab[s] >= 0:
-        k = tab[s]
-        if t_hash[k] == h and _raw_equal(t_ptr[k], t_len[k], ptr, klen):
-            return k
-        s = (s + 1) & tmask
-    return -1
-
-
-@jit
-def _table_add(tab, tmask, h, k):
-    s = np.int64(h & np.uint64(tmask))
-    while tab[s] >= 0:
-        s = (s + 1) & tmask
-    tab[s] = k

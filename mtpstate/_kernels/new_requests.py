@@ -1,4 +1,5 @@
-"""numba kernels for a step's new requests: read, validate, write.
+"""numba kernels that read a step's new requests in place, first in the
+step (reading them may run Python code).
 
 A new request reaches the general step (step.py) as one descriptor of
 NEW_STRIDE int64 (``N_*``: the id object, prompt_len, num_computed_tokens,
@@ -15,9 +16,7 @@ max_tokens, the token vector, the block_ids object), made one of two ways:
 - ``descriptors_from_list``: from the flat list of ints table.py builds on
   that path.
 
-Then ``check_new_request`` (pass 1: validate one request against the
-table's shape) and ``write_new_request`` (pass 2: its row's fields, tokens
-and block table, staged for the device mirror).
+add.py validates and writes them from the descriptors.
 """
 
 from __future__ import annotations
@@ -32,24 +31,13 @@ from mtpstate._kernels.native import (
     getattr_held,
     incref,
     is_subtype,
-    ld32,
     list_new,
     list_set_item,
     load_i64,
-    st32,
-    st64,
     view_i64,
 )
-from mtpstate._kernels.pyobjects import _int_of, _item, _seq, _vec, _vget
+from mtpstate._kernels.pyobjects import _int_of, _item, _seq
 from mtpstate._kernels.slots import (
-    ENG_NCT,
-    ENG_TOTAL_LEN,
-    F_MAXSEQ,
-    F_NB,
-    F_NCPT,
-    F_NCT,
-    F_PREFILL,
-    F_PROMPT,
     H_BLOCKS,
     H_MAX_TOKENS,
     H_NCT,
@@ -68,56 +56,22 @@ from mtpstate._kernels.slots import (
     N_TOK_KIND,
     N_TOK_N,
     NEW_STRIDE,
-    TB_BT_ADDR,
-    TB_BT_W,
-    TB_FLAT_BT,
-    TB_FLAT_ENG,
-    TB_FLAT_TOK,
-    TB_L,
     TB_NEW_HOLDER,
     TB_NEW_NAMES,
-    TB_NG,
-    TB_R,
-    TB_STATE,
-    TB_STG_FIELDS,
-    TB_STG_ON,
-    TB_STG_POS,
-    TB_STG_STRIDE,
-    TB_STG_VAL,
-    TB_TOK,
-    TB_TOK_EXT,
     _err,
 )
 from mtpstate._kernels.status import (
-    E_BLOCK_OVERFLOW,
-    E_BLOCK_VALUE,
     E_CHANGED,
-    E_GROUPS,
     E_INT_RANGE,
-    E_MAX_TOKENS,
-    E_NEW_NCT_RANGE,
     E_NEW_READ,
     E_NEW_SLOW,
     E_NOT_CANONICAL,
-    E_TOKEN_VALUE,
-    E_TOO_LONG,
-    FLD_BLOCKS,
-    FLD_MAX_TOKENS,
-    FLD_NCT,
     FLD_NONE,
-    FLD_PROMPT_LEN,
-    FLD_TOKENS,
-    INT32_MAX,
     OK,
     PH_NEW,
     V_ARRAY,
-    V_I32,
     V_OBJ,
 )
-from mtpstate._kernels.writes import _check_int31_list, _write_group
-
-# ---------------------------------------------------------------------------
-# descriptors
 
 
 @jit(signature="int64(int64, int64, int64, int64)")
@@ -254,118 +208,3 @@ def descriptors_from_list(tb, tp, lst, nd, nn):
             return _err(tb, E_NOT_CANONICAL, i // NEW_STRIDE, 0, PH_NEW, FLD_NONE)
         nd[i] = v
     return OK
-
-
-# ---------------------------------------------------------------------------
-# pass 1 and pass 2 of one request
-
-
-@jit
-def check_new_request(tb, tp, nd, k, L, ng, bt_w, array_ok, nb_counts):
-    """Pass 1 of new request k: its lengths, token ids, counts and block ids
-    against the table's shape. Returns (status, token elements); the block
-    count of each group goes to ``nb_counts[g]``."""
-    d = k * NEW_STRIDE
-    plen = nd[d + N_PLEN]
-    nct = nd[d + N_NCT]
-    mt = nd[d + N_MAXT]
-    vk, vb, npf, st = _vec(nd[d + N_TOK_KIND], nd[d + N_TOK], nd[d + N_TOK_N], tp, array_ok)
-    if st != OK:
-        return _err(tb, st, k, 0, PH_NEW, FLD_TOKENS), 0
-    if plen < 0 or plen > L:
-        return _err(tb, E_TOO_LONG, k, plen if plen > L else -1, PH_NEW, FLD_PROMPT_LEN), 0
-    if npf > L:
-        return _err(tb, E_TOO_LONG, k, npf, PH_NEW, FLD_TOKENS), 0
-    for t in range(npf):
-        v, st = _vget(vk, vb, t, tp)
-        if st == OK and (v < 0 or v > INT32_MAX):
-            st = E_TOKEN_VALUE
-        if st != OK:
-            return _err(tb, E_TOKEN_VALUE if st == E_INT_RANGE else st, k, t, PH_NEW, FLD_TOKENS), 0
-    if nct < 0 or nct > npf:
-        return _err(tb, E_NEW_NCT_RANGE, k, nct, PH_NEW, FLD_NCT), 0
-    if mt < 0 or plen + mt > INT32_MAX:
-        return _err(tb, E_MAX_TOKENS, k, mt, PH_NEW, FLD_MAX_TOKENS), 0
-    b_items, b_n, ok = _seq(nd[d + N_BLK], tp)
-    if not ok:
-        return _err(tb, E_NOT_CANONICAL, k, 0, PH_NEW, FLD_BLOCKS), 0
-    if b_n != ng:
-        return _err(tb, E_GROUPS, k, b_n, PH_NEW, FLD_BLOCKS), 0
-    for g in range(ng):
-        c, st = _check_int31_list(_item(b_items, g), tp, E_BLOCK_VALUE)
-        if st != OK:
-            return _err(tb, st, k, g, PH_NEW, FLD_BLOCKS), 0
-        if c > bt_w[g]:
-            return _err(tb, E_BLOCK_OVERFLOW, k, g, PH_NEW, FLD_BLOCKS), 0
-        nb_counts[g] = c
-    return OK, npf
-
-
-@jit(signature="void(int64, int64, int64, UniTuple(int64, 10), int64, int64)")
-def _copy_tokens(vk, vb, n, tp, a_dst, at):
-    """int32 ``dst[at:at + n]`` = the token vector (``_vec``), validated."""
-    if vk == V_I32:  # int32 tokens (vLLM's TokenBuffer): a plain copy
-        for t in range(n):
-            st32(a_dst, at + t, ld32(vb, t))
-        return
-    for t in range(n):
-        v, st = _vget(vk, vb, t, tp)
-        st32(a_dst, at + t, v)
-
-
-@jit
-def write_new_request(tb, tp, nd, k, r, nb_counts, array_ok, ns, nt):
-    """Pass 2 of new request k at row r: the state fields, the token ids
-    (host copy and/or staged), the block tables (``nb_counts``: the counts
-    pass 1 found), each staged. Returns (staged, staged token elements)."""
-    a_state, R, L, ng = tb[TB_STATE], tb[TB_R], tb[TB_L], tb[TB_NG]
-    SR = tb[TB_STG_STRIDE]  # the device's row stride for staged positions
-    bt_addr = view_i64(tb[TB_BT_ADDR], ng)
-    bt_w = view_i64(tb[TB_BT_W], ng)
-    flat_bt = view_i64(tb[TB_FLAT_BT], ng)
-    a_tok = tb[TB_TOK]  # 0: no host copy (the mirror's token target is the only one)
-    flat_tok, eng, fields = tb[TB_FLAT_TOK], tb[TB_FLAT_ENG], tb[TB_STG_FIELDS]
-    staging = tb[TB_STG_ON] != 0
-    tok_ext = tb[TB_TOK_EXT] != 0
-    a_pos, a_val = tb[TB_STG_POS], tb[TB_STG_VAL]
-    d = k * NEW_STRIDE
-    nct = nd[d + N_NCT]
-    plen = nd[d + N_PLEN]
-    vk, vb, npf, st = _vec(nd[d + N_TOK_KIND], nd[d + N_TOK], nd[d + N_TOK_N], tp, array_ok)
-    tbase = np.int64(r) * L
-    if a_tok != 0:
-        _copy_tokens(vk, vb, npf, tp, a_tok, tbase)
-    if staging and flat_tok >= 0:
-        for t in range(npf):
-            st64(a_pos, ns, flat_tok + tbase + t)
-            st32(a_val, ns, ld32(a_tok, tbase + t))
-            ns += 1
-    elif staging and tok_ext:
-        # an external target is the only copy (no host one): from the
-        # request's own tokens, validated in pass 1
-        _copy_tokens(vk, vb, npf, tp, a_val, nt)
-        for t in range(npf):
-            st64(a_pos, nt + t, tbase + t)
-        nt += npf
-    st32(a_state, F_NCT * R + r, nct)
-    st32(a_state, F_NCPT * R + r, min(nct, npf))
-    st32(a_state, F_PREFILL * R + r, npf)
-    st32(a_state, F_PROMPT * R + r, plen)
-    st32(a_state, F_MAXSEQ * R + r, plen + nd[d + N_MAXT])
-    b_items, b_n, ok = _seq(nd[d + N_BLK], tp)
-    for g in range(ng):
-        st32(a_state, (F_NB + g) * R + r, nb_counts[g])
-        ns = _write_group(_item(b_items, g), tp, bt_addr[g], bt_w[g], r, 0, staging, a_pos, a_val, ns, flat_bt[g])
-    if staging:
-        for f in range(F_NB + ng):
-            if (fields >> f) & 1:
-                st64(a_pos, ns, f * SR + r)
-                st32(a_val, ns, ld32(a_state, f * R + r))
-                ns += 1
-        if eng >= 0:  # the engine's own copies, seeded once per added row
-            st64(a_pos, ns, eng + ENG_TOTAL_LEN * SR + r)
-            st32(a_val, ns, npf)
-            st64(a_pos, ns + 1, eng + ENG_NCT * SR + r)
-            st32(a_val, ns + 1, nct)
-            ns += 2
-    return ns, nt

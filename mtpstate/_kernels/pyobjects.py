@@ -1,6 +1,7 @@
 """Python objects read in place by the kernels: the builtin types' addresses
 (``_pytypes``), a request id's UTF-8 bytes, an exact list or tuple, an int,
-an int vector (a list, an ``array.array``, a raw buffer), a dict's entries.
+an int vector (a list, an ``array.array``, a raw buffer), a list of int31
+ids (token ids, block ids), a dict's entries.
 Built on the primitives of ``native.py``; every reader checks the exact type
 before it relies on a layout, and says so in its status."""
 
@@ -46,6 +47,7 @@ from mtpstate._kernels.slots import (
 from mtpstate._kernels.status import (
     E_INT_RANGE,
     E_NOT_CANONICAL,
+    INT32_MAX,
     OK,
     V_ARRAY,
     V_I32,
@@ -163,6 +165,24 @@ def _vget(kind, base, j, tp):
     if u > np.uint64(9223372036854775807):
         return 0, E_INT_RANGE
     return np.int64(u), OK
+
+
+@jit
+def _check_int31_list(seq, tp, value_error):
+    """(count, status) of a list of ints each in [0, 2**31) (token ids, block
+    ids); ``value_error`` is the status for a value out of range."""
+    items, n, ok = _seq(seq, tp)
+    if not ok:
+        return 0, E_NOT_CANONICAL
+    for j in range(n):
+        v, st = _int_of(_item(items, j), tp)
+        if st == E_INT_RANGE:
+            return 0, value_error
+        if st != OK:
+            return 0, st
+        if v < 0 or v > INT32_MAX:
+            return 0, value_error
+    return n, OK
 
 
 @jit

@@ -123,8 +123,7 @@ SC_HITS = 5  # cached ids found by identity prediction
 SC_NMISS = 6  # cached ids that were not
 SC_NSTAGE = 7  # elements the step will stage (capacity check)
 SC_NTOK = 8  # token elements for an external target, staged first
-SC_NEED_WORDS = 9  # key arena words the new ids need
-SC_SIZE = 10
+SC_SIZE = 9
 
 # scratch rows
 S_ROWS = 0  # cached position -> row

@@ -1,6 +1,6 @@
 """Element writes of the step kernels: a state field, one group's block
-ids, each staged for the device mirror as it is written; and the check of
-an id list (token ids, block ids) that precedes such a write."""
+ids, each staged for the device mirror as it is written (pass 2 of a step;
+the lists were checked in pass 1)."""
 
 from __future__ import annotations
 
@@ -9,25 +9,6 @@ import numpy as np
 from mtpstate._kernels.jit import jit
 from mtpstate._kernels.native import ld32, st32, st64
 from mtpstate._kernels.pyobjects import _int_of, _item, _seq
-from mtpstate._kernels.status import E_INT_RANGE, E_NOT_CANONICAL, INT32_MAX, OK
-
-
-@jit
-def _check_int31_list(seq, tp, value_error):
-    """(count, status) of a list of ints each in [0, 2**31) (token ids, block
-    ids); ``value_error`` is the status for a value out of range."""
-    items, n, ok = _seq(seq, tp)
-    if not ok:
-        return 0, E_NOT_CANONICAL
-    for j in range(n):
-        v, st = _int_of(_item(items, j), tp)
-        if st == E_INT_RANGE:
-            return 0, value_error
-        if st != OK:
-            return 0, st
-        if v < 0 or v > INT32_MAX:
-            return 0, value_error
-    return n, OK
 
 
 @jit(signature="int64(int64, int64, int64, int64, boolean, int64, int64, int64)")
