@@ -396,7 +396,7 @@ class RequestTable:
                     )
                     if status == K.OK:
                         if batch is not None and self._cv[T.TB_B_N] == -2:
-                            _no_batch_list()  # (_run_kernel checks it itself)
+                            _no_batch_list()  # (the direct call; _run_kernel checks it itself)
                         return self._result
                 # anything else: the general handling (the kernel changed nothing)
         self._launch(bind(fin, pre, new, cfields, batch))

@@ -36,7 +36,7 @@ GENERAL = (
     ("    rk, nres, st = _resumed_keys(", "resumed ids"),
     ("    i_cid, i_cblk, st = _check_cached(", "check cached requests"),
     ("    if tb[TB_STG_ON] != 0 and sc[SC_NSTAGE]", "staging capacity"),
-    ("    if nst != 0:\n        a_scr = tb[TB_SCR]", "batch: resolve"),
+    ("    if nst != 0:\n        st = resolve_batch(", "batch: resolve"),
     ("    # the freed rows lowest first", "freed rows sorted, key arena"),
     ("    _ix_commit(", "apply: index (free rows, add keys)"),
     ("    res = view_i32(tb[TB_RES], 3 * R)", "apply: new requests"),

@@ -5,7 +5,7 @@ table's arrays, the builtin types' addresses), the table context (``TB_*``), the
 array's fields (``F_*``), the scratch rows (``S_*``), the batch arrays
 (``B_*``, ``BB_*``, ``BO_*``), a new request's descriptor (``N_*``) and the
 step's argument tuple (``A_*``). The Python side (table.py, mirror.py) and the
-kernels (step.py, batch.py) read them from here.
+step kernels read them from here.
 """
 
 from mtpstate._kernels.jit import jit
@@ -113,7 +113,8 @@ H_SP = 6  # sampling_params
 H_MAX_TOKENS = 7  # sampling_params.max_tokens
 H_STRIDE = 8
 
-# the general step's counters, one int64 record the phases share (step.py)
+# the general step's counters, one int64 record its phases share (step.py,
+# add.py, update.py)
 SC_STAMP = 0  # this step's stamp (marks in the scratch rows)
 SC_NN = 1  # new requests
 SC_NFREED = 2  # rows freed (finished, preempted, re-sent ids)

@@ -241,6 +241,7 @@ def _general(ixc, tbc, fin, pre, new_desc, new_reqs, cid, cnct_kind, cnct, cnct_
     tb = view_i64(tbc, TB_SIZE)
     tp = _pytypes(ix)
     R = tb[TB_R]
+    a_scr = tb[TB_SCR]
     array_ok = ix[IX_ARRAY_OK]
     sc = np.zeros(SC_SIZE, np.int64)
     sc[SC_STAMP] = tb[TB_STAMP] + 1
@@ -272,7 +273,6 @@ def _general(ixc, tbc, fin, pre, new_desc, new_reqs, cid, cnct_kind, cnct, cnct_
     if tb[TB_STG_ON] != 0 and sc[SC_NSTAGE] > tb[TB_STG_CAP]:
         return _err(tb, E_STAGE_FULL, -1, sc[SC_NSTAGE], 0, FLD_NONE)
     if nst != 0:
-        a_scr = tb[TB_SCR]
         st = resolve_batch(
             ix, tb, tp, nst, spec, total, i_cid, sc[SC_NC], a_scr + 4 * S_ROWS * R, nd, nk,
             a_scr + 4 * S_NEWROW * R, sc[SC_STAMP], sc[SC_NFREED],
@@ -281,7 +281,6 @@ def _general(ixc, tbc, fin, pre, new_desc, new_reqs, cid, cnct_kind, cnct, cnct_
             return st
     # the freed rows lowest first: the result's order, and the order the
     # index frees them in
-    a_scr = tb[TB_SCR]
     freed = view_i32(a_scr + 4 * S_FREED * R, sc[SC_NFREED])
     _heapsort(freed, sc[SC_NFREED])
     # the arena grows (in Python) only for a step that is valid otherwise

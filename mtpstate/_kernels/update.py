@@ -145,25 +145,6 @@ def _predict_miss(obj, j, prev_n, a_prev_row, a_rpp, slots, mask, keys, kw, seed
 
 
 @jit(inline="always")
-def _seen_in_this_update(a_rpp_next, a_prev_row_next, row, i):
-    # positions < i of the next prediction buffer are this update's; a row
-    # whose recorded position points into them was listed already
-    p = ld32(a_rpp_next, row)
-    return 0 <= p < i and ld32(a_prev_row_next, p) == row
-
-
-@jit
-def _materialize(a_obj, a_row, a_obj_next, a_row_next, a_rpp_next, n):
-    """Copy the first n positions of the current prediction into the next."""
-    for p in range(n):
-        st64(a_obj_next, p, ld64(a_obj, p))
-        r = ld32(a_row, p)
-        st32(a_row_next, p, r)
-        if r >= 0:  # (always: only identity hits, which have rows, are copied)
-            st32(a_rpp_next, r, p)
-
-
-@jit(inline="always")
 def _owned_obj(obj, tp):
     """The id object to remember for identity prediction: only exact str
     (releasing one runs no Python code; a str subclass could run a
@@ -484,14 +465,3 @@ def _append_blocks(
             st32(a_stg_val, ns, start + c)
             ns += 1
     return ns
-
-
-@jit
-def _undo_update(a_state, a_scr, a_prev_row_next, R, count):
-    """Restore num_computed_tokens (and the prefill counter derived from it)
-    of the first ``count`` rows a rejected update already wrote."""
-    for k in range(count):
-        r = ld32(a_prev_row_next, k)
-        old = ld32(a_scr, S_NCT * R + k)
-        st32(a_state, F_NCT * R + r, old)
-        st32(a_state, F_NCPT * R + r, min(old, ld32(a_state, F_PREFILL * R + r)))
