@@ -22,9 +22,12 @@ implementations:
   holds its captured work weakly, as a CUDA graph holds no reference to the
   tensors it reads. Tests can
   hold a stream back, run the queued work in any legal order, count every
-  operation issued (``issued``), and make the k-th operation fail
-  (``fail_at``), which is how CI checks the ordering and the fault handling
-  that only a GPU would otherwise exercise.
+  operation issued (``issued``), make the k-th operation fail
+  (``fail_at``), lose the device for good (``lose_device``: a sticky error)
+  and capture a stream as an engine would (``begin_capture``: what would
+  break that capture is noted), which is how CI checks the ordering, the
+  fault handling and the capture rules that only a GPU would otherwise
+  exercise.
 """
 
 from __future__ import annotations
@@ -34,7 +37,7 @@ import contextlib
 import random
 import weakref
 
-__all__ = ["CudaOps", "DeferredOps", "DeviceOps", "ImmediateOps", "ops_for"]
+__all__ = ["CudaOps", "DeferredOps", "DeviceLost", "DeviceOps", "ImmediateOps", "ops_for"]
 
 
 class DeviceOps:
@@ -92,10 +95,14 @@ class DeviceOps:
     def fill_rows(self, target, rows, value) -> None:
         target.index_fill_(0, rows, value)
 
+    def memory_reserved(self) -> int:
+        """Device memory the allocator holds (0 where it does not say)."""
+        return 0
+
     # graphs
     def capturing(self) -> bool:
-        """Whether the current stream is being captured (an engine's own
-        graph capture): no capture of ours may start then."""
+        """Whether the mirror device's current stream is being captured (an
+        engine's own graph capture): the mirror then issues nothing."""
         return False
 
     def capture(self, work, pool=None):
@@ -154,7 +161,17 @@ class CudaOps(DeviceOps):
     def synchronize(self):
         self.torch.cuda.synchronize(self.device)
 
+    def memory_reserved(self):
+        return self.torch.cuda.memory_reserved(self.device)
+
     def capturing(self):
+        # every apply asks: the private bindings where the mirror's device is
+        # the current one (no device switch, no Python wrappers)
+        C = self.torch._C
+        get_device = getattr(C, "_cuda_getDevice", None)
+        is_capturing = getattr(C, "_cuda_isCurrentStreamCapturing", None)
+        if get_device is not None and is_capturing is not None and get_device() == self._index:
+            return bool(is_capturing())
         with self.torch.cuda.device(self.device):
             return self.torch.cuda.is_current_stream_capturing()
 
@@ -228,6 +245,10 @@ class InjectedFault(RuntimeError):
     """The failure :class:`DeferredOps` raises at its ``fail_at``-th operation."""
 
 
+class DeviceLost(RuntimeError):
+    """What :class:`DeferredOps` raises for everything after ``lose_device``."""
+
+
 class DeferredOps(DeviceOps):
     """A device whose work runs only when the model decides (see the module
     docstring). Its tensors live on the CPU.
@@ -257,12 +278,52 @@ class DeferredOps(DeviceOps):
         self.issued = collections.Counter()  # operations issued, by kind
         self.fail_at = None  # the issued operation (counting all kinds from 0) that raises ...
         self.fault = InjectedFault  # ... this
+        self.fail_on = None  # or the next operation of this kind (then None again)
+        self._capturing = set()  # ids of the streams an engine is capturing
+        self.capture_violations = []  # what was issued that would have broken such a capture
+        self.lost = None  # why the device is lost (lose_device), or None
 
     def _issue(self, kind: str) -> None:
+        self._during_capture(kind)
         k = sum(self.issued.values())
         self.issued[kind] += 1
-        if self.fail_at is not None and k == self.fail_at:
+        if self.lost is not None:
+            raise DeviceLost(f"device operation {k} ({kind}) on a lost device: {self.lost}")
+        if (self.fail_at is not None and k == self.fail_at) or self.fail_on == kind:
+            self.fail_on = None
             raise self.fault(f"injected fault at device operation {k} ({kind})")
+
+    # -- an engine's graph capture, and a device lost for good ---------------
+
+    def begin_capture(self, stream=None) -> None:
+        """An engine starts capturing ``stream`` (default: the current one).
+        What CUDA would then reject or take into that capture is noted in
+        ``capture_violations``: work or an event record on that stream, a
+        host wait or synchronize, an allocation."""
+        self._capturing.add(id(stream or self._current))
+
+    def end_capture(self, stream=None) -> None:
+        self._capturing.discard(id(stream or self._current))
+
+    def capturing(self) -> bool:
+        return id(self._current) in self._capturing
+
+    def _during_capture(self, what: str) -> None:
+        if self._capturing and (id(self._current) in self._capturing or what in ("sync", "alloc")):
+            self.capture_violations.append(what)
+
+    def lose_device(self, why: str = "an illegal memory access") -> None:
+        """A sticky device error: every later operation, wait and
+        synchronize raises :class:`DeviceLost`."""
+        self.lost = why
+
+    def pinned_empty(self, n, dtype):
+        self._during_capture("alloc")
+        return super().pinned_empty(n, dtype)
+
+    def empty(self, n, dtype):
+        self._during_capture("alloc")
+        return super().empty(n, dtype)
 
     def new_stream(self):
         s = _Stream(f"side{len(self.streams)}")
@@ -323,10 +384,17 @@ class DeferredOps(DeviceOps):
 
     def replay(self, graph):
         self._issue("replay")
-        work = graph.work()
-        if work is None:
+        if graph.work() is None:
             raise RuntimeError("a graph replayed after the tensors it was captured with were freed")
-        self._enqueue(self._current, "run", work)  # reads the pinned slot when it runs
+        ref = graph.work  # (weakly until it runs, as a queued replay keeps no tensor alive)
+
+        def run():
+            work = ref()
+            if work is None:
+                raise RuntimeError("a queued replay ran after the tensors its graph was captured with were freed")
+            work()  # reads the pinned slot when it runs
+
+        self._enqueue(self._current, "run", run)
 
     # -- running the queued work ---------------------------------------------
 
@@ -354,12 +422,19 @@ class DeferredOps(DeviceOps):
             self.run_one(s)
 
     def host_wait(self, event):
+        self._sync_check()
         if event.stream is not None:
             self._run_until(event)
 
     def synchronize(self):
+        self._sync_check()
         for s in self.streams:
             self._run_until(_Event(s))
+
+    def _sync_check(self):
+        self._during_capture("sync")
+        if self.lost is not None:
+            raise DeviceLost(f"synchronize on a lost device: {self.lost}")
 
     def hold(self, stream) -> None:
         """Run nothing of ``stream`` in :meth:`run_some` until released."""

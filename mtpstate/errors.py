@@ -47,9 +47,19 @@ class InvalidStepError(StateError):
 
 
 class MirrorFaultError(RuntimeError):
-    """The device work of a step failed (an allocation, an interrupted or
-    failed launch) *after* the step was applied to the host arrays. Not a
+    """The device work of a step failed (a failed or interrupted launch)
+    *after* the step was applied to the host arrays. Not a
     :class:`StateError`: the host state did change, so the step must not be
-    applied again. The mirror is marked stale and the next call (``apply``,
-    ``synchronize``) first resynchronizes the device tensors in full; until
-    that succeeds every call raises this error and changes nothing."""
+    applied again.
+
+    ``stale`` says whether some of the step's device work was never queued:
+    then the device tensors are stale until the next call (``apply``,
+    ``synchronize``) has waited for the device, rewritten every region the
+    host holds and issued the rest (each operation once); until that
+    succeeds every such call raises this error and changes nothing. False:
+    all of it was queued, and the next call only waits for the device
+    before it reuses the staging. A device that fails while the mirror
+    waits for it is unusable (a sticky error): every later call raises this
+    error, saying so."""
+
+    stale = True

@@ -1,37 +1,51 @@
 """Device mirror: each step's changes reach torch tensors in one replay.
 
 The host arrays stay the source of truth. The step kernels append every
-element they change, as (flat position, value), to a pinned staging slot.
+element they change, as (flat position, value), to a pinned staging slot;
+new requests' token ids go to the slot's token area (``_kernels/tokens.py``).
 ``end_step`` ships the slot: on CUDA by replaying, on the consumer's stream,
 a CUDA graph captured once per slot, size bucket and kind of step, which
 copies the slot (positions int64, values int32: 12 bytes per changed
 element, padded to the bucket) and scatters it into a single flat int32
-tensor of which every device tensor is a view; the same replay scatters new
-requests' token ids into an engine's token tensor, copies the step's batch
-``idx_mapping`` and zeroes new rows of engine tensors, when asked to. Then
-one event, made once per slot, is recorded: the slot is refilled only after
-it completed (refilling a pinned buffer while a copy still reads it silently
-corrupts the device data). The host waits only when the ring is full.
+tensor of which every device tensor is a view; the same replay scatters the
+token area into the token target, copies the step's batch ``idx_mapping``
+and zeroes new rows of engine tensors, when asked to. Then one event, made
+once per slot, is recorded: the slot is refilled only after it completed
+(refilling a pinned buffer while a copy still reads it silently corrupts the
+device data). The host waits only when the ring is full.
+
+Everything is sized when the table is built: a slot holds what any one step
+can stage apart from token ids (every row added and updated, with full block
+tables), its token area ``token_chunk`` token ids; the token ids of a step
+that adds more go in further chunks through a ring of their own, one replay
+each. Nothing grows, and no graph is captured, while serving.
 
 Where no graph can be captured the same work is issued eagerly (views made
-once, on the consumer's stream); on the CPU the host runs it. A step whose
-device work fails after the host arrays were changed leaves the mirror
-stale, and the next call resynchronizes it in full before anything else.
+once, on the consumer's stream); on the CPU the host runs it. A step's
+device work is a list of operations issued in order; if one fails, those
+not yet queued are kept and issued by the next call (after it has waited for
+the device and rewritten every region the host holds), so no operation runs
+twice. A device that fails to synchronize is unusable (a sticky error): every
+later call says so.
 
 Every device operation goes through a :class:`mtpstate.devices.DeviceOps`:
 CUDA, the CPU, or, in tests, a deferred model of a GPU's asynchrony, on
-which CI checks the ordering, the operation counts and the fault handling.
+which CI checks the ordering, the operation counts, the capture rules and
+the fault handling.
 """
 
 from __future__ import annotations
+
+import weakref
 
 import numpy as np
 
 from mtpstate import devices
 from mtpstate._kernels import slots as T
-from mtpstate.errors import MirrorFaultError, StateError
+from mtpstate._kernels.tokens import tok_fill
+from mtpstate.errors import CapacityError, MirrorFaultError, StateError
 
-__all__ = ["DeviceMirror", "MIRRORED_FIELDS"]
+__all__ = ["DeviceMirror", "MIRRORED_FIELDS", "step_capacity"]
 
 # host fields the mirror can keep on the device, by state row (num_blocks: the
 # rows F_NB + g); block tables are always mirrored
@@ -44,13 +58,15 @@ _FIELD_ROWS = {
 }
 MIRRORED_FIELDS = (*_FIELD_ROWS, "num_blocks")
 
-META = 2  # int64 header of a slot's positions buffer: [staged elements, of which token ids]
+META = 2  # int64 header of an area's positions buffer: [live elements, 0]
 BUCKET0 = 256  # smallest size bucket; each next one is 4x larger, the last the capacity
+TOKEN_CHUNK = 1 << 18  # default token ids per slot and per overflow chunk (at least max_model_len)
+OVERFLOW_CHUNKS = 2  # chunks of the ring that carries a step's token ids past its slot's token area
 
 # kinds of step, one graph each per slot and bucket
 V_PLAIN = 0  # the staged elements (+ idx_mapping)
 V_NEW = 1  # + the new rows zeroed in the engine's tensors
-V_TOK = 2  # + new requests' token ids scattered into the token target
+V_TOK = 2  # + the token area scattered into the token target (one graph per token bucket)
 
 
 def _torch():
@@ -75,15 +91,26 @@ def bucket_of(n: int, last: int) -> int:
     return min(max(0, ((n - 1).bit_length() - 7) // 2), last)
 
 
-class _Slot:
-    """One staging slot: pinned host buffers, the device buffers its replay
-    copies them into, the event that says that replay has completed, and the
-    slot's graphs by (kind of step, bucket)."""
+def step_capacity(max_num_reqs: int, num_groups: int, max_num_blocks_per_group) -> int:
+    """Elements other than token ids that one step can stage: every row
+    added (its state fields and engine lengths, a full block table per
+    group) and every row updated (two counts and a num_blocks per group).
+    A new request carries its whole block list, which prefix caching makes
+    independent of the tokens scheduled, so the bound is the block tables'
+    width, not ``max_num_batched_tokens``. (Only a row re-sent as resumed in
+    the step that added it can stage more: such a step is refused.)"""
+    R = max_num_reqs
+    return R * (T.F_NB + num_groups + T.ENG_ROWS) + R * (2 + num_groups) + R * sum(max_num_blocks_per_group)
 
-    def __init__(self, ops, capacity, R, idx, rows):
-        torch = ops.torch
-        self.pos = ops.pinned_empty(META + capacity, torch.int64)  # [META + cap]
-        self.val = ops.pinned_empty(capacity, torch.int32)  # [cap]
+
+class _Area:
+    """Pinned host buffers for staged (position, value) elements: positions
+    int64 after a META header, values int32; views made once per bucket."""
+
+    def __init__(self, mirror, capacity):
+        torch = mirror._torch
+        self.pos = mirror._pinned(META + capacity, torch.int64)  # [META + cap]
+        self.val = mirror._pinned(capacity, torch.int32)  # [cap]
         pos = self.pos.numpy()
         pos[:] = 0
         self.val.numpy()[:] = 0
@@ -93,28 +120,87 @@ class _Slot:
         self.val_np = self.val.numpy()
         self.addrs = (self.pos.data_ptr() + 8 * META, self.val.data_ptr(), capacity)
         self.capacity = capacity
-        self.idx = ops.pinned_empty(R, torch.int64) if idx else None  # [R]: the batch's idx_mapping
-        self.rows = ops.pinned_empty(R, torch.int64) if rows else None  # [R]: new rows, padded
+        self.sizes = bucket_sizes(capacity)
+        self.views = [(self.pos[: META + b], self.val[:b]) for b in self.sizes]  # (positions + header, values)
+
+    def bucket(self, n: int) -> int:
+        return bucket_of(n, len(self.sizes) - 1)
+
+
+class _DeviceArea:
+    """The device buffers an area is copied into before its scatter; one per
+    kind of area, shared by every slot (the replays run in stream order)."""
+
+    def __init__(self, mirror, capacity):
+        torch = mirror._torch
+        self.pos = mirror._device(META + capacity, torch.int64)
+        self.val = mirror._device(capacity, torch.int32)
+        # per bucket: (positions + header, positions, values)
+        self.views = [(self.pos[: META + b], self.pos[META : META + b], self.val[:b]) for b in bucket_sizes(capacity)]
+
+
+class _Guarded:
+    """Buffers the device may still read until ``event`` completes."""
+
+    event = None
+    pending = False  # the event was recorded after work that reads these buffers
+
+    def wait_idle(self, ops) -> None:
+        if self.pending:
+            ops.host_wait(self.event)
+            self.pending = False
+
+
+class _Slot(_Guarded):
+    """One staging slot: the step's elements and token area, its batch
+    idx_mapping and new rows (pinned, with their device copies), the event
+    that says the slot's last replay has completed, and its graphs by
+    (kind of step, bucket[, token bucket])."""
+
+    def __init__(self, mirror, capacity, tok_capacity, R, idx, rows):
+        torch = mirror._torch
+        self.state = _Area(mirror, capacity)
+        self.tokens = _Area(mirror, tok_capacity) if tok_capacity else None
+        self.tok_addrs = self.tokens.addrs if self.tokens is not None else (0, 0, 0)
+        self.idx = mirror._pinned(R, torch.int64) if idx else None  # [R]: the batch's idx_mapping
+        self.rows = mirror._pinned(R, torch.int64) if rows else None  # [R]: new rows, padded
         for b in (self.idx, self.rows):
             if b is not None:
                 b.numpy()[:] = 0
         self.idx_np = None if self.idx is None else self.idx.numpy()
         self.rows_np = None if self.rows is None else self.rows.numpy()
-        self.event = ops.new_event()
-        self.pending = False  # the event was recorded after work that reads this slot
-        self.graphs = {}  # (kind, bucket) -> (graph, the captured work, which holds its tensors)
-        if ops.asynchronous:
-            self.dpos = ops.empty(META + capacity, torch.int64)
-            self.dval = ops.empty(capacity, torch.int32)
-            self.didx = ops.empty(R, torch.int64) if idx else None
-            self.drows = ops.empty(R, torch.int64) if rows else None
+        self.event = mirror.ops.new_event()
+        self.graphs = {}  # key -> (graph, the captured work, which holds its tensors)
+        if mirror.ops.asynchronous:  # per slot: idx_mapping must outlive the step (ring_depth steps)
+            self.didx = mirror._device(R, torch.int64) if idx else None
+            self.drows = mirror._device(R, torch.int64) if rows else None
         else:  # the host runs the work: the staged buffers are the device side
-            self.dpos, self.dval, self.didx, self.drows = self.pos, self.val, self.idx, self.rows
-        # views made once per bucket: (host positions, host values, device positions, device values)
-        self.views = [
-            (self.pos[: META + b], self.val[:b], self.dpos[: META + b], self.dval[:b]) for b in bucket_sizes(capacity)
-        ]
+            self.didx, self.drows = self.idx, self.rows
         self.idx_views = {}  # n -> the device idx_mapping[:n] (made once per size)
+
+
+class _Chunk(_Guarded):
+    """One chunk of the overflow ring: a token area of its own, its event,
+    its graphs by token bucket."""
+
+    def __init__(self, mirror, capacity):
+        self.tokens = _Area(mirror, capacity)
+        self.event = mirror.ops.new_event()
+        self.graphs = {}
+
+
+class _Fault:
+    """What a failed step left to do: its operations not yet queued, and the
+    token ids of its chunks not yet queued (kept here: apply's token objects
+    are gone by the next call)."""
+
+    def __init__(self, items, tokens):
+        self.items = items  # callables, each issuing one device operation, in order
+        self.tokens = tokens  # (positions int64, values int32) or None
+
+    @property
+    def stale(self) -> bool:
+        return bool(self.items) or self.tokens is not None
 
 
 class DeviceMirror:
@@ -137,7 +223,16 @@ class DeviceMirror:
         memory that device work still in flight may read; use
         ``token_ids_target`` there (its writes go through the staged copy).
     staging_capacity : int, optional
-        Initial elements per slot; grown on demand (graphs recaptured).
+        Elements other than token ids one step may stage (default:
+        :func:`step_capacity`, what any step a table of this shape accepts
+        can stage). A step that stages more is refused with a
+        :class:`~mtpstate.CapacityError`, and changes nothing.
+    token_chunk : int, optional
+        Token ids a slot's token area holds, and each chunk of the overflow
+        ring (default: ``min(max_num_reqs * max_model_len, max(max_model_len,
+        262144))``). A step that adds more token ids ships the rest in
+        further chunks, one replay each, waiting only for a chunk of its own
+        ring still in flight.
     fields : sequence of str, optional
         Host fields kept on the device (default: all of
         ``MIRRORED_FIELDS``); a field left out is never staged and its
@@ -150,8 +245,8 @@ class DeviceMirror:
         device copies, which its device code then advances (vLLM's
         ``RequestState.total_len`` / ``num_computed_tokens``).
     token_ids_target : torch.Tensor, optional
-        An engine's ``[max_num_reqs, max_model_len]`` int32 tensor that the
-        device can write (a device tensor, or pinned host memory mapped into
+        An engine's ``[max_num_reqs, max_model_len]`` int32 tensor on the
+        mirror's device (a device tensor, or pinned host memory mapped into
         the device's address space, as vLLM's UVA ``all_token_ids``): new
         requests' prefill token ids are scattered into it by the step's
         device work, in stream order, instead of into a mirrored
@@ -181,6 +276,7 @@ class DeviceMirror:
         ring_depth: int = 2,
         token_ids_on_device: bool = True,
         staging_capacity=None,
+        token_chunk=None,
         fields=None,
         engine_lengths: bool = False,
         token_ids_target=None,
@@ -191,13 +287,16 @@ class DeviceMirror:
     ):
         torch = _torch()
         self._torch = torch
-        self.device = torch.device(device)
         if ring_depth < 2:
             raise ValueError("ring_depth must be >= 2")
-        self.is_cuda = self.device.type == "cuda"
-        if self.is_cuda and not torch.cuda.is_available():
+        requested = torch.device(device)
+        if requested.type == "cuda" and not torch.cuda.is_available():
             raise StateError(f"device {device!r} requested but CUDA is not available")
-        self.ops = ops = devices.ops_for(torch, self.device) if ops is None else ops
+        self.ops = ops = devices.ops_for(torch, requested) if ops is None else ops
+        self.device = ops.device if ops.device.type == requested.type else requested  # index resolved
+        self.is_cuda = self.device.type == "cuda"
+        if ops.capturing():  # before any allocation, copy or synchronization
+            raise StateError(_capturing("building a device table"))
         self.table = table
         self.ring_depth = ring_depth
         R, L = table.max_num_reqs, table.max_model_len
@@ -212,8 +311,9 @@ class DeviceMirror:
             tt = token_ids_target
             if not isinstance(tt, torch.Tensor) or tt.dtype != torch.int32 or tuple(tt.shape) != (R, L):
                 raise ValueError(f"token_ids_target must be an int32 tensor of shape ({R}, {L})")
-            if not tt.is_contiguous() or tt.device.type != self.device.type:
-                raise ValueError(f"token_ids_target must be contiguous and addressable from {self.device}")
+            if not tt.is_contiguous():
+                raise ValueError("token_ids_target must be contiguous")
+            self._check_on_device("token_ids_target", tt)
             self._tok_target = tt.view(-1)
             token_ids_on_device = False
         elif not token_ids_on_device and ops.asynchronous:
@@ -227,26 +327,36 @@ class DeviceMirror:
         self._idx_on = bool(idx_mapping)
         self._fills = list(zero_rows_on_add or ())
         for z in self._fills:
-            if not isinstance(z, torch.Tensor) or z.dim() < 1 or z.shape[0] != R or z.device.type != self.device.type:
+            if not isinstance(z, torch.Tensor) or z.dim() < 1 or z.shape[0] != R:
                 raise ValueError(f"zero_rows_on_add takes tensors of {R} rows on {self.device}")
+            self._check_on_device("zero_rows_on_add", z)
         self.token_ids_on_device = token_ids_on_device
         self._host_tok_tensor = None
         if not token_ids_on_device and token_ids_target is None:
             self._host_tok_tensor = torch.zeros((R, L), dtype=torch.int32)
-        self._cap = staging_capacity or max(1024, 4 * R)
+        bound = step_capacity(R, table.num_groups, table.max_num_blocks_per_group)
+        self._cap = _positive("staging_capacity", staging_capacity, bound)
+        stages_tokens = token_ids_on_device or token_ids_target is not None
+        self._tcap = _positive("token_chunk", token_chunk, min(R * L, max(L, TOKEN_CHUNK))) if stages_tokens else 0
         self._want_graphs = bool(graphs)
-        self._warmed = False  # the graphs' operations ran once eagerly (see _warm_up)
         self.path = None  # "graph", "eager" or "host": how each step's device work is issued
         self.graph_error = None  # why graphs are not in use, where they were wanted
+        self._pinned_bytes = self._device_bytes = self._pool_bytes = 0
         self._slots = []
-        self._next = 0
+        self._chunks = []  # the overflow ring (only where a step can add more than a slot's token area)
+        self._next = self._next_chunk = 0
         self._open = None
         self._stream = self._stream_key = None  # the consumer's stream, as of the last step
         self._nn = 0  # the shipping step's new rows
-        self._stale = None  # (slot, n, n_tok, nn) of a step whose device work failed
+        self._fault = None  # what a failed step left to do (_Fault)
+        self._lost = None  # the message of a device that failed to synchronize: unusable
+        self._closed = False
         self._idx_slot, self._idx_n = None, 0
-        self._last = None  # (n, idx shipped, rows shipped) of the last step that shipped
+        self._last = None  # (n, tokens, idx shipped, rows shipped, chunks) of the last step that shipped
         self._rows_rings = {}
+        # buffers the device may read: kept (and waited for) until close() or the finalizer
+        self._held = []
+        self._finalizer = weakref.finalize(self, _release, ops, self._held)
 
     # the table asks for these before it allocates its own token_ids
     @property
@@ -258,13 +368,36 @@ class DeviceMirror:
         """False when an engine's tensor is the only copy of the token ids."""
         return self._tok_target is None
 
+    def _check_on_device(self, what, tensor) -> None:
+        d = tensor.device
+        same = d.type == self.device.type and (
+            d.type != "cuda"
+            or (d.index if d.index is not None else self._torch.cuda.current_device()) == self.device.index
+        )
+        if not same:
+            raise ValueError(f"{what} is on {d}, the table's mirror on {self.device}: it must be on the same device")
+
+    # -- allocation (counted: transfer_stats reports it) ----------------------
+
+    def _pinned(self, n, dtype):
+        t = self.ops.pinned_empty(n, dtype)
+        self._pinned_bytes += t.numel() * t.element_size()
+        return t
+
+    def _device(self, n, dtype):
+        t = self.ops.empty(n, dtype)
+        self._device_bytes += t.numel() * t.element_size()
+        return t
+
     def attach(self):
         """Lay out the flat device tensor, copy the current host state (once,
         at construction), make the staging slots and capture their graphs.
         Every view handed out starts on a 16-byte boundary (engines' kernels
         may assume it, e.g. vLLM's Triton block table loads): per-request
         rows have a stride of ``max_num_reqs`` rounded up to 4 elements, and
-        each region starts aligned."""
+        each region starts aligned. An allocation that fails raises a
+        StateError naming what was asked for (the table is not built); a
+        capture that fails leaves the eager path (``path``, ``graph_error``)."""
         torch = self._torch
         t = self.table
         R, L, ng = t.max_num_reqs, t.max_model_len, t.num_groups
@@ -303,13 +436,24 @@ class DeviceMirror:
         ctx[T.TB_STG_STRIDE] = SR
         self._row_stride = SR
         self._layout = (nrows, SR, offsets, tok_off)
-        self._flat = f = torch.zeros(off, dtype=torch.int32, device=self.device)  # [total elements]
-        host = np.zeros(off, np.int32)
-        for o, a in self._host_regions():
-            host[o : o + a.size] = a
-        f.copy_(torch.from_numpy(host))
+        try:
+            self._flat = f = torch.zeros(off, dtype=torch.int32, device=self.device)  # [total elements]
+            self._device_bytes += 4 * off
+            host = np.zeros(off, np.int32)
+            for o, a in self._host_regions():
+                host[o : o + a.size] = a
+            f.copy_(torch.from_numpy(host))
+            self._make_staging()
+        except (MemoryError, RuntimeError) as e:  # (torch's out-of-memory is a RuntimeError)
+            raise StateError(
+                f"device mirror: could not allocate its buffers on {self.device} ({e!r}): "
+                f"{self._cap} staged elements and {self._tcap} token ids per slot, ring depth {self.ring_depth}; "
+                "lower mirror_options 'staging_capacity', 'token_chunk' or 'ring_depth'"
+            ) from e
         self._flat_np = f.numpy() if not self.ops.asynchronous else None
-        self._tok_np = self._tok_target.numpy() if self._tok_target is not None and self._flat_np is not None else None
+        tok_dst = self._tok_target if self._tok_target is not None else f
+        self._tok_dst = tok_dst  # where the token areas scatter (positions include the flat offset)
+        self._tok_np = tok_dst.numpy() if self._flat_np is not None else None
         rows = f[: nrows * SR].view(nrows, SR)[:, :R]  # [num_fields, max_num_reqs], row stride SR
         per_row = {name: rows[row] if name in self.fields else None for name, row in _FIELD_ROWS.items()}
         eng = f[eng_off : eng_off + T.ENG_ROWS * SR].view(T.ENG_ROWS, SR)[:, :R] if eng_off >= 0 else None
@@ -331,7 +475,7 @@ class DeviceMirror:
             for x in v if isinstance(v, list) else (v,):
                 if x is not None and not (name == "token_ids" and self._tok_target is not None):  # (the engine's)
                     assert x.data_ptr() % 16 == 0, f"device view {name} is not 16-byte aligned"
-        self._make_slots(self._cap)
+        self._capture_graphs()
         self.ops.synchronize()
 
     def _host_regions(self):
@@ -349,97 +493,130 @@ class DeviceMirror:
             out.append((tok_off, t.token_ids.reshape(-1)))
         return out
 
-    # -- slots and their graphs ------------------------------------------------
+    # -- staging and its graphs, made once ------------------------------------
 
-    def _make_slots(self, cap):
+    def _make_staging(self):
+        """The slots, the overflow ring, the device buffers they share."""
         ops = self.ops
-        R = self.table.max_num_reqs
-        self._cap = cap
-        self._sizes = bucket_sizes(cap)
-        self._slots = [_Slot(ops, cap, R, self._idx_on, bool(self._fills)) for _ in range(self.ring_depth)]
-        self._next = 0
-        self._idx_slot = None
+        R, L = self.table.max_num_reqs, self.table.max_model_len
+        cap, tcap = self._cap, self._tcap
+        self._slots = [_Slot(self, cap, tcap, R, self._idx_on, bool(self._fills)) for _ in range(self.ring_depth)]
+        if tcap and tcap < R * L:  # a step can add more token ids than a slot holds
+            self._chunks = [_Chunk(self, tcap) for _ in range(OVERFLOW_CHUNKS)]
+        self._dstate = self._dtok = None
+        if ops.asynchronous:
+            self._dstate = _DeviceArea(self, cap)
+            self._dtok = _DeviceArea(self, tcap) if tcap else None
+        self._held += [*self._slots, *self._chunks, self._dstate, self._dtok]
+        self._tok_runs_addr = self.table._tok_runs.ctypes.data
         if not ops.asynchronous:
             self.path = "host"
         elif not self._want_graphs or not ops.graphs:
             self.path = "eager"
             self.graph_error = None if not self._want_graphs else f"{type(ops).__name__} has no graphs"
-        elif ops.capturing():
-            self.path, self.graph_error = "eager", "constructed inside a graph capture"
         else:
-            try:
-                self._capture_all()
-                self.path, self.graph_error = "graph", None
-            except Exception as e:  # any capture failure: the same work, issued eagerly
-                for s in self._slots:
-                    s.graphs.clear()
-                self.path, self.graph_error = "eager", f"capture failed: {e!r}"
-
-    def _bucket(self, n: int) -> int:
-        return bucket_of(n, len(self._sizes) - 1)
+            self.path = "graph"
 
     def _kinds(self) -> list[int]:
-        return [V_PLAIN] + ([V_NEW] if self._fills else []) + ([V_TOK] if self._tok_target is not None else [])
+        return [V_PLAIN] + ([V_NEW] if self._fills else []) + ([V_TOK] if self._tcap else [])
 
-    def _capture_all(self):
-        ops = self.ops
-        kinds = self._kinds()
-        if not self._warmed:
+    def _capture_graphs(self):
+        """Every graph, once: per slot, each kind of step at each bucket (and
+        token bucket), and per overflow chunk each token bucket. A capture
+        that fails leaves the eager path, said in ``path`` and ``graph_error``."""
+        if self.path != "graph":
+            return
+        ops, torch = self.ops, self._torch
+        try:
+            n = max(self._cap, self._tcap)
+            self._iota = self._device(n, torch.int64)  # [max(cap, token_chunk)]: sliced per bucket, shared
+            self._iota.copy_(torch.arange(n, dtype=torch.int64))
+            self._spare = torch.full((1,), self._dummy, dtype=torch.int64, device=self._iota.device)
+            self._device_bytes += 8
             self._warm_up()
-            self._warmed = True
-        pool = None
-        for s in self._slots:
-            for bi in range(len(self._sizes)):
-                for v in kinds:
-                    work = self._graph_work(s, bi, v)
-                    g = ops.capture(work, pool)
-                    if pool is None and hasattr(g, "pool"):
-                        pool = g.pool()  # one memory pool for all: the replays never overlap
-                    # the graph reads the tensors the work was captured with
-                    # (its iota, the spare element's index): they live as long
-                    s.graphs[v, bi] = (g, work)
-        ops.synchronize()
+            reserved = ops.memory_reserved()
+            pool = None
+            for s in self._slots:
+                for key in self._graph_keys():
+                    pool = self._capture(s, key, self._step_work(s, *key), pool)
+            for c in self._chunks:
+                for ti in range(len(c.tokens.sizes)):
+                    pool = self._capture(c, ti, self._chunk_work(c, ti), pool)
+            ops.synchronize()
+            self._pool_bytes = max(0, ops.memory_reserved() - reserved)
+        except Exception as e:  # any capture failure (out of memory included): the same work, issued eagerly
+            for s in (*self._slots, *self._chunks):
+                s.graphs.clear()
+            self.path, self.graph_error = "eager", f"capture failed: {e!r}"
+
+    def _graph_keys(self):
+        nb = len(self._slots[0].state.sizes)
+        nt = len(self._slots[0].tokens.sizes) if self._tcap else 0
+        for kind in self._kinds():
+            for bi in range(nb):
+                if kind == V_TOK:
+                    for ti in range(nt):
+                        yield (kind, bi, ti)
+                else:
+                    yield (kind, bi, None)
+
+    def _capture(self, owner, key, work, pool):
+        g = self.ops.capture(work, pool)
+        if pool is None and hasattr(g, "pool"):
+            pool = g.pool()  # one memory pool for all: the replays never overlap
+        # the graph reads the tensors the work was captured with (its views
+        # of the shared buffers): they live as long
+        owner.graphs[key] = (g, work)
+        return pool
 
     def _warm_up(self):
         """Each kind's work run once eagerly (so that lazy module loads happen
-        outside any capture) on the first slot's zeroed buffers: the header
-        says nothing is staged, so the flat tensor gets only the spare
+        outside any capture) on the first slot's zeroed buffers: the headers
+        say nothing is staged, so the flat tensor gets only the spare
         element, and the token scatter and the row fills go to scratch
         tensors in place of the engine's: nothing an engine holds is written."""
         torch = self._torch
         s0 = self._slots[0]
-        tok = torch.zeros(1, dtype=torch.int32, device=s0.dpos.device)
+        tok = torch.zeros(1, dtype=torch.int32, device=self._flat.device)
         fills = [torch.zeros((1, *z.shape[1:]), dtype=z.dtype, device=z.device) for z in self._fills]
         for kind in self._kinds():
-            self._graph_work(s0, 0, kind, tok, fills)()
+            self._step_work(s0, kind, 0, 0 if kind == V_TOK else None, tok, fills)()
         self.ops.synchronize()
 
-    def _graph_work(self, slot, bi, kind, tok=None, fills=None):
-        """The device work of one step of ``kind`` whose staged elements fit
-        bucket ``bi``, reading its counts from the slot's header on the
-        device: copies of the slot, the scatter of the live elements into
-        the flat tensor (the rest to the spare element), and by kind the
-        token ids into the token target, the batch's idx_mapping, the new
-        rows zeroed (``tok``, ``fills``: other targets than the engine's,
-        for the warm-up)."""
+    def _scatter_work(self, area, bi, dev, target, spare):
+        """An area's first bucket-``bi`` elements and header copied to the
+        device, then its live elements (the header's count) scattered into
+        ``target``; the rest go to the ``spare`` position, or, without one,
+        rewrite the first element with its own value."""
         torch = self._torch
-        pos_b, val_b, dpos_b, dval_b = slot.views[bi]
-        b = self._sizes[bi]
-        iota = torch.arange(b, dtype=torch.int64, device=dpos_b.device)  # [b]
-        dummy = torch.tensor(self._dummy, dtype=torch.int64, device=dpos_b.device)
-        flat = self._flat
-        tok = self._tok_target if tok is None else tok
+        hpos, hval = area.views[bi]
+        dpos, p, dval = dev.views[bi]
+        iota = self._iota[: area.sizes[bi]]
+
+        def work():
+            dpos.copy_(hpos, non_blocking=True)
+            dval.copy_(hval, non_blocking=True)
+            live = iota < dpos[0]
+            if spare is None:
+                target.index_copy_(0, torch.where(live, p, p[0]), torch.where(live, dval, dval[0]))
+            else:
+                target.index_copy_(0, torch.where(live, p, spare), dval)
+
+        return work
+
+    def _step_work(self, slot, kind, bi, ti=None, tok=None, fills=None):
+        """The device work of one step of ``kind`` whose staged elements fit
+        bucket ``bi`` (and token ids token bucket ``ti``): the slot's
+        scatters, and by kind the batch's idx_mapping, the new rows zeroed
+        (``tok``, ``fills``: other targets than the engine's, for the warm-up)."""
+        parts = [self._scatter_work(slot.state, bi, self._dstate, self._flat, self._spare)]
+        if kind == V_TOK:
+            parts.append(self._scatter_work(slot.tokens, ti, self._dtok, self._tok_dst if tok is None else tok, None))
         fills = () if kind == V_PLAIN else self._fills if fills is None else fills
 
         def work():
-            dpos_b.copy_(pos_b, non_blocking=True)
-            dval_b.copy_(val_b, non_blocking=True)
-            n, n_tok, p = dpos_b[0], dpos_b[1], dpos_b[META:]
-            live = (iota >= n_tok) & (iota < n)
-            flat.index_copy_(0, torch.where(live, p, dummy), dval_b)
-            if kind == V_TOK:  # token ids first in the slot; the rest rewrite the first one
-                is_tok = iota < n_tok
-                tok.index_copy_(0, torch.where(is_tok, p, p[0]), torch.where(is_tok, dval_b, dval_b[0]))
+            for part in parts:
+                part()
             if slot.idx is not None:
                 slot.didx.copy_(slot.idx, non_blocking=True)
             if fills:
@@ -449,21 +626,36 @@ class DeviceMirror:
 
         return work
 
+    def _chunk_work(self, chunk, ti):
+        return self._scatter_work(chunk.tokens, ti, self._dtok, self._tok_dst, None)
+
     # -- per step ------------------------------------------------------------
 
-    def begin_step(self):
+    def _usable(self, what: str) -> None:
+        """Refuse a call on a closed or unusable mirror, or while the current
+        stream is capturing (our operations would land in the engine's
+        graph): before any device call."""
+        if self._closed:
+            raise StateError(f"{what}: the table's device mirror was closed")
+        if self._lost is not None:
+            raise MirrorFaultError(self._lost)
+        if self.ops.capturing():
+            raise StateError(_capturing(what))
+
+    def begin_step(self, what: str = "apply"):
         """Point the kernels at a free staging slot (waiting only if the ring
-        is full); a stale mirror is resynchronized first."""
-        if self._stale is not None:
+        is full); what a failed step left is issued first."""
+        self._usable(what)
+        if self._fault is not None:
             self.resync()
         if self._open is None:
             slot = self._slots[self._next]
             if slot.pending:
-                self.ops.host_wait(slot.event)  # its replay may still be reading it
-                slot.pending = False
+                self._wait(slot)  # its replay may still be reading it
             self._open = slot
             cv = self.table._cv  # (the context as Python ints: cheaper than numpy scalars)
-            cv[T.TB_STG_POS], cv[T.TB_STG_VAL], cv[T.TB_STG_CAP] = slot.addrs
+            cv[T.TB_STG_POS], cv[T.TB_STG_VAL], cv[T.TB_STG_CAP] = slot.state.addrs
+            cv[T.TB_TOK_POS], cv[T.TB_TOK_VAL], cv[T.TB_TOK_CAP] = slot.tok_addrs
             cv[T.TB_STG_ON] = 1
         self.table._cv[T.TB_STG_N] = 0
 
@@ -473,18 +665,32 @@ class DeviceMirror:
             self._open = None
             self.table._cv[T.TB_STG_ON] = 0
 
+    def capacity_error(self, need: int) -> CapacityError:
+        return CapacityError(
+            f"the step stages {need} elements on the device, more than the mirror's {self._cap} per step "
+            "(mirror_options 'staging_capacity'; its default holds every step a table of this shape accepts, "
+            "except a request re-sent as resumed in the step that added it); nothing was applied"
+        )
+
+    def check_staged(self, need: int, what: str) -> None:
+        """Before a call that changes the host outside the step kernel (the
+        array entry point): usable, and ``need`` elements fit a slot."""
+        self._usable(what)
+        if need > self._cap:
+            raise self.capacity_error(need)
+
     def end_step(self, n: int, n_tok: int = 0, deduplicate: bool = False, results: bool = True):
-        """Ship the first ``n`` staged elements of the open slot (of which
-        the first ``n_tok`` are token ids for the token target) and, with
-        ``results``, what the step's results add (the batch's idx_mapping,
-        the new rows to zero); returns without waiting. A failure of the
-        device work leaves the mirror stale (resynchronized by the next
-        call) and raises :class:`~mtpstate.MirrorFaultError`."""
+        """Ship the first ``n`` staged elements of the open slot and the
+        step's ``n_tok`` token ids (its token area's, then the overflow
+        chunks'), and, with ``results``, what the step's results add (the
+        batch's idx_mapping, the new rows to zero); returns without waiting.
+        A failure of the device work raises :class:`~mtpstate.MirrorFaultError`;
+        what was not queued is issued by the next call."""
         t = self.table
         cv = t._cv
         nb = cv[T.TB_B_N] if results and self._idx_on else -1
         nn = cv[T.TB_RES_NN] if results and self._fills else 0
-        if n == 0 and nb < 0 and nn == 0:  # nothing to ship: the slot stays open for the next step
+        if n == 0 and n_tok == 0 and nb < 0 and nn == 0:  # nothing to ship: the slot stays open for the next step
             cv[T.TB_STG_N] = 0
             self._last = None
             return
@@ -493,17 +699,19 @@ class DeviceMirror:
         self._next = (self._next + 1) % len(self._slots)  # (on the host too: idx_mapping lives ring_depth steps)
         cv[T.TB_STG_ON] = 0  # nothing is staged between steps
         if deduplicate:  # the same element written twice in one step: keep the last write
-            p = slot.pos_np[n_tok:n][::-1]
+            p = slot.state.pos_np[:n][::-1]
             _, first = np.unique(p, return_index=True)
-            keep = n_tok + np.sort(n - n_tok - 1 - first)
-            m = n_tok + len(keep)
-            pos, val = slot.pos_np[keep], slot.val_np[keep]
-            slot.pos_np[n_tok:m] = pos
-            slot.val_np[n_tok:m] = val
+            keep = np.sort(n - 1 - first)
+            m = len(keep)
+            pos, val = slot.state.pos_np[keep], slot.state.val_np[keep]
+            slot.state.pos_np[:m] = pos
+            slot.state.val_np[:m] = val
             n = m
+        m = min(n_tok, self._tcap)  # token ids in the slot's token area
         if self.path == "graph":  # the counts the graph reads on the device
-            slot.meta_np[0] = n
-            slot.meta_np[1] = n_tok
+            slot.state.meta_np[0] = n
+            if m:
+                slot.tokens.meta_np[0] = m
         if nb >= 0:
             slot.idx_np[:nb] = t._b_idx[:nb]
             self._idx_slot, self._idx_n = slot, nb
@@ -513,35 +721,142 @@ class DeviceMirror:
             slot.rows_np[:nn] = new
             slot.rows_np[nn:] = new[0]  # padding: the same row zeroed again
         self._nn = nn
+        self._last = (n, n_tok, nb >= 0, nn > 0, 0)
+        self._shipped = m  # token ids of the step queued so far (or in a queued area)
+        items = self._step_items(slot, n, m)
         try:
-            self._ship(slot, n, n_tok)
+            self._issue(items)
+            self._record(slot)
+            if n_tok > m:
+                self._ship_overflow(n_tok, cv[T.TB_RES_NN])
         except BaseException as e:
-            self._stale = (slot, n, n_tok, nn)
-            if isinstance(e, Exception):
-                raise MirrorFaultError(
-                    f"device mirror: {e!r} while shipping a step to {self.device}; the step was applied to the "
-                    "host arrays (do not apply it again); the device tensors are resynchronized in full by the "
-                    "next call"
-                ) from e
-            raise
-        self._last = (n, nb >= 0, nn > 0)
+            self._failed(e, items, n_tok, cv[T.TB_RES_NN])
 
-    def _ship(self, slot, n, n_tok):
-        """The step's device work: one replay (or the same work, issued
-        eagerly, or run by the host), then the slot's event."""
-        if self.path == "host":
-            self._run_on_host(slot, n, n_tok)
-            return
+    def _step_items(self, slot, n, m):
+        """The step's device work, one operation an item, in order."""
         ops = self.ops
-        if ops.stream_key() != self._stream_key:
-            self._follow_stream()
+        items = []
+        if self.path != "host" and ops.stream_key() != self._stream_key:
+            items.append(self._follow_stream)
+        st, tk = slot.state, slot.tokens
         if self.path == "graph":
-            kind = V_TOK if n_tok else V_NEW if self._nn else V_PLAIN
-            ops.replay(slot.graphs[kind, self._bucket(n)][0])
+            kind = V_TOK if m else V_NEW if self._nn else V_PLAIN
+            key = (kind, st.bucket(n), tk.bucket(m) if m else None)
+            items.append(lambda: ops.replay(slot.graphs[key][0]))
+            return items
+        if self.path == "host":
+            items.append(lambda: _host_scatter(self._flat_np, st, n))
+            if m:
+                items.append(lambda: _host_scatter(self._tok_np, tk, m))
         else:
-            self._issue_eagerly(slot, n, n_tok)
-        ops.record(slot.event, self._stream)
-        slot.pending = True
+            items += self._eager_scatter(st, n, self._dstate, self._flat, self._dummy)
+            if m:
+                items += self._eager_scatter(tk, m, self._dtok, self._tok_dst, None)
+            if slot.idx is not None:
+                items.append(lambda: ops.copy(slot.didx, slot.idx))
+        if self._nn:
+            nn = self._nn
+            if self.path != "host":
+                items.append(lambda: ops.copy(slot.drows, slot.rows))
+            rows = slot.drows if self.path != "host" else slot.rows[:nn]
+            items += [lambda z=z: ops.fill_rows(z, rows, 0) for z in self._fills]
+        return items
+
+    def _eager_scatter(self, area, n, dev, target, spare):
+        """An area's work as separate operations: padding written by the
+        host (to the spare element, or repeating the first element), the
+        bucket's copies, the scatter."""
+        ops = self.ops
+        bi = area.bucket(n)
+        b = area.sizes[bi]
+        if spare is None:
+            area.pos_np[n:b] = area.pos_np[0]
+            area.val_np[n:b] = area.val_np[0]
+        else:
+            area.pos_np[n:b] = spare
+        hpos, hval = area.views[bi]
+        dpos, p, dval = dev.views[bi]
+        return [lambda: ops.copy(dpos, hpos), lambda: ops.copy(dval, hval), lambda: ops.scatter(target, p, dval)]
+
+    def _issue(self, items):
+        """Issue each item in order, removing it once queued (what is left
+        after a failure is what never ran)."""
+        while items:
+            items[0]()
+            del items[0]
+
+    def _record(self, guarded):
+        if self.ops.asynchronous:
+            guarded.pending = True  # (before the record: a failed record leaves it to the drain)
+            self.ops.record(guarded.event, self._stream)
+
+    def _wait(self, guarded):
+        """Wait for a slot's or chunk's last work; a device that cannot answer is unusable."""
+        try:
+            guarded.wait_idle(self.ops)
+        except Exception as e:
+            self._unusable(e)
+
+    def _ship_overflow(self, n_tok, nruns):
+        """The step's token ids past its slot's token area, a chunk at a
+        time through the overflow ring: fill (from the step's runs), one
+        replay (or its work eagerly, or the host's), one event."""
+        ixc = self.table._ix_addr
+        while self._shipped < n_tok:
+            c = self._chunks[self._next_chunk]
+            self._next_chunk = (self._next_chunk + 1) % len(self._chunks)
+            if c.pending:
+                self._wait(c)
+            a = c.tokens
+            m = tok_fill(ixc, self._tok_runs_addr, nruns, self._shipped, a.capacity, a.addrs[0], a.addrs[1])
+            self._issue(self._chunk_items(c, m))
+            self._shipped += m
+            self._record(c)
+            n, tok, idx, rows, chunks = self._last
+            self._last = (n, tok, idx, rows, chunks + 1)
+
+    def _chunk_items(self, chunk, m):
+        a = chunk.tokens
+        if self.path == "graph":
+            a.meta_np[0] = m
+            g = chunk.graphs[a.bucket(m)][0]
+            return [lambda: self.ops.replay(g)]
+        if self.path == "host":
+            return [lambda: _host_scatter(self._tok_np, a, m)]
+        return self._eager_scatter(a, m, self._dtok, self._tok_dst, None)
+
+    def _failed(self, e, items, n_tok, nruns):
+        """A step's device work failed: keep what was not queued (its token
+        ids past the last queued chunk copied out of apply's objects), raise."""
+        tokens = None
+        if self._shipped < n_tok:
+            rest = n_tok - self._shipped
+            pos, val = np.empty(rest, np.int64), np.empty(rest, np.int32)
+            tok_fill(
+                self.table._ix_addr, self._tok_runs_addr, nruns, self._shipped, rest, pos.ctypes.data, val.ctypes.data
+            )
+            tokens = (pos, val)
+        self._fault = _Fault(items, tokens)
+        if not isinstance(e, Exception):  # an interrupt: as it is
+            raise e
+        if self._lost is not None:  # (a wait found the device unusable)
+            raise MirrorFaultError(self._lost) from e
+        if self._fault.stale:
+            detail = (
+                "not all of the step's device work was queued: the device tensors are stale until the next call "
+                "(apply, synchronize) issues the rest"
+            )
+        else:
+            detail = (
+                "the step's device work was queued, but not the event that guards its staging: the next call "
+                "waits for the device first"
+            )
+        err = MirrorFaultError(
+            f"device mirror: {e!r} while shipping a step to {self.device}; the step was applied to the host "
+            f"arrays (do not apply it again); {detail}"
+        )
+        err.stale = self._fault.stale
+        raise err from e
 
     def _follow_stream(self):
         """The consumer moved to another stream (or this is the first step):
@@ -553,66 +868,56 @@ class DeviceMirror:
             ops.wait_stream(cur, self._stream)
         self._stream, self._stream_key = cur, ops.stream_key()
 
-    def _issue_eagerly(self, slot, n, n_tok):
-        """The graph's work as separate operations (no graph to replay):
-        padding written by the host, views made once per bucket."""
-        ops = self.ops
-        bi = self._bucket(n)
-        b = self._sizes[bi]
-        slot.pos_np[n:b] = self._dummy
-        pos_b, val_b, dpos_b, dval_b = slot.views[bi]
-        ops.copy(dpos_b, pos_b)
-        ops.copy(dval_b, val_b)
-        if n_tok:
-            ops.scatter(self._flat, slot.dpos[META + n_tok : META + b], slot.dval[n_tok:b])
-            ops.scatter(self._tok_target, slot.dpos[META : META + n_tok], slot.dval[:n_tok])
-        else:
-            ops.scatter(self._flat, dpos_b[META:], dval_b)
-        if slot.idx is not None:
-            ops.copy(slot.didx, slot.idx)
-        if self._nn:
-            ops.copy(slot.drows, slot.rows)
-            for z in self._fills:
-                ops.fill_rows(z, slot.drows, 0)
-
-    def _run_on_host(self, slot, n, n_tok):
-        """The CPU: the host writes the device tensors (the same memory)."""
-        self._flat_np[slot.pos_np[n_tok:n]] = slot.val_np[n_tok:n]
-        if n_tok:
-            self._tok_np[slot.pos_np[:n_tok]] = slot.val_np[:n_tok]
-        if self._nn:
-            for z in self._fills:
-                self.ops.fill_rows(z, slot.rows[: self._nn], 0)
-
     def resync(self):
-        """Bring a stale mirror back (a step's device work failed after the
-        host arrays changed): wait for the device, rewrite every region that
-        has a host copy, then ship the failed step's staged elements again
-        (the engine's lengths and token ids, which have none). Raises
-        :class:`~mtpstate.MirrorFaultError` if that fails too (still stale)."""
-        if self._stale is None:
+        """Finish what a failed step left: wait for the device, rewrite every
+        region that has a host copy (idempotent), then issue the step's
+        operations that were never queued and its token ids that were not
+        (so no operation runs twice: the engine's lengths and the new rows'
+        zeroing are seeded once, whatever the device did since). Raises
+        :class:`~mtpstate.MirrorFaultError` if that fails too (what is left
+        stays for the next call)."""
+        f = self._fault
+        if f is None:
             return
-        slot, n, n_tok, nn = self._stale
-        ops = self.ops
-        try:
+        self._usable("resynchronizing the device mirror")
+        self._drain()
+        if f.stale:
+            ops = self.ops
+            try:
+                for o, a in self._host_regions():
+                    ops.copy(self._flat[o : o + a.size], self._torch.from_numpy(a.copy()))
+                self._issue(f.items)
+                if f.tokens is not None:
+                    self._ship_kept_tokens(*f.tokens)
+                    f.tokens = None
+            except Exception as e:
+                raise MirrorFaultError(
+                    f"device mirror: {e!r} while resynchronizing after a failed step; the device tensors are stale; "
+                    "the next call tries again"
+                ) from e
             self._drain()
-            for o, a in self._host_regions():
-                src = self._torch.from_numpy(a.copy())
-                ops.copy(self._flat[o : o + a.size], src)
-            self._nn = nn
-            self._ship(slot, n, n_tok)
-            self._drain()
-        except Exception as e:
-            raise MirrorFaultError(
-                f"device mirror: {e!r} while resynchronizing after a failed step; the device tensors are stale; "
-                "the next call tries again"
-            ) from e
-        self._stale = None
+        self._fault = None
+
+    def _ship_kept_tokens(self, pos, val):
+        """A failed step's token ids kept on the host, through the overflow
+        ring's chunks (idle: the caller drained), a chunk at a time."""
+        for start in range(0, len(pos), self._tcap):
+            c = self._chunks[0] if self._chunks else self._slots[self._next]
+            a = c.tokens
+            m = min(self._tcap, len(pos) - start)
+            a.pos_np[:m] = pos[start : start + m]
+            a.val_np[:m] = val[start : start + m]
+            if self.path == "host":
+                _host_scatter(self._tok_np, a, m)
+            else:
+                self._issue(self._eager_scatter(a, m, self._dtok, self._tok_dst, None))
+            self.ops.synchronize()
 
     @property
     def stale(self) -> bool:
-        """True after a step's device work failed, until a call resynchronizes."""
-        return self._stale is not None
+        """True after a step's device work failed before all of it was
+        queued, until a call issues the rest."""
+        return self._fault is not None and self._fault.stale
 
     def idx_mapping(self):
         """The last shipped step's batch ``idx_mapping`` on the device (int64,
@@ -626,7 +931,8 @@ class DeviceMirror:
         return v
 
     def stage_arrays(self, staged):
-        """Stage changes made outside the kernels (the array entry point):
+        """Stage changes made outside the kernels (the array entry point,
+        checked against the capacity before it wrote: ``check_staged``):
         (flat positions, values) pairs; fields not mirrored are dropped."""
         pos = np.concatenate([np.asarray(p, np.int64) for p, _ in staged])
         val = np.concatenate([np.asarray(v, np.int32) for _, v in staged])
@@ -634,20 +940,10 @@ class DeviceMirror:
         keep = rows[np.minimum(pos // self._row_stride, len(rows) - 1)]
         pos, val = pos[keep], val[keep]
         self.begin_step()
-        if len(pos) > len(self._open.pos_np):
-            self.grow_staging(len(pos))
-        self._open.pos_np[: len(pos)] = pos
-        self._open.val_np[: len(val)] = val
+        area = self._open.state
+        area.pos_np[: len(pos)] = pos
+        area.val_np[: len(val)] = val
         self.end_step(len(pos), results=False)
-
-    def grow_staging(self, need: int):
-        """Reallocate every slot (and recapture its graphs) to hold ``need``."""
-        self.synchronize()
-        reopen = self._open is not None
-        self._open = None
-        self._make_slots(max(need, 2 * self._cap))
-        if reopen:
-            self.begin_step()
 
     def upload_rows(self, rows: np.ndarray, purpose: str = "rows"):
         """``rows`` (row numbers, e.g. a batch -> row mapping) as an int64
@@ -663,7 +959,9 @@ class DeviceMirror:
         uploads every step keeps it and calls its ``upload``)."""
         ring = self._rows_rings.get(purpose)
         if ring is None:
+            self._usable("making a row upload ring")
             ring = self._rows_rings[purpose] = _RowsRing(self, self.table.max_num_reqs, self.ring_depth)
+            self._held.append(ring)
         return ring
 
     def current_stream(self):
@@ -675,28 +973,113 @@ class DeviceMirror:
         return ops.current_stream()
 
     def synchronize(self):
+        self._usable("synchronize")
         self.resync()
         self._drain()
 
     def _drain(self):
         """Wait until every queued operation has run: no slot or row buffer
-        is read by the device any more."""
-        self.ops.synchronize()
-        for slot in self._slots:
-            slot.pending = False
-        for ring in self._rows_rings.values():
-            ring.pending = [False] * ring.depth
+        is read by the device any more. A device that cannot is unusable."""
+        try:
+            self.ops.synchronize()
+        except Exception as e:
+            self._unusable(e)
+        for g in self._held:
+            if isinstance(g, _Guarded):
+                g.pending = False
+            elif isinstance(g, _RowsRing):
+                g.pending = [False] * g.depth
+
+    def _unusable(self, e):
+        self._lost = (
+            f"device mirror: the device {self.device} is unusable ({e!r} while waiting for it: a sticky device "
+            "error, which every later device call reports until the process recreates its device context); "
+            "the host arrays hold every applied step; the device tensors are not current; build a new table "
+            "on a working device"
+        )
+        raise MirrorFaultError(self._lost) from e
+
+    def close(self):
+        """Wait for the device work still in flight that reads the mirror's
+        buffers, then release them (the finalizer does the same when the
+        table is dropped). Later calls that need the device raise StateError."""
+        if self._closed:
+            return
+        self._closed = True
+        self._open = None
+        self._finalizer()
+        self._slots, self._chunks, self._rows_rings = [], [], {}
+        self._dstate = self._dtok = self._iota = None
+        self._idx_slot = None
 
     def stats(self) -> dict:
-        """The last step's host-to-device traffic (see ``RequestTable.transfer_stats``)."""
-        if self._last is None:
-            return {"bytes": 0, "copies": 0, "path": None}
-        n, idx, rows = self._last
-        if self.path == "host":  # nothing copied: the host writes what changed
-            return {"bytes": 12 * n, "copies": 0, "path": "host"}
-        b = self._sizes[self._bucket(n)]
-        nbytes = 8 * META + 12 * b + 8 * self.table.max_num_reqs * (idx + rows)
-        return {"bytes": nbytes, "copies": 2 + idx + rows, "path": self.path}
+        """The last step's host-to-device traffic, and the memory the mirror
+        holds (see ``RequestTable.transfer_stats``)."""
+        out = {"bytes": 0, "copies": 0, "path": self.path, "replays": 0}
+        if self._last is not None and self._slots:
+            n, n_tok, idx, rows, chunks = self._last
+            if self.path == "host":  # nothing copied: the host writes what changed
+                out["bytes"] = 12 * (n + n_tok)
+            else:
+                st, tk = self._slots[0].state, self._slots[0].tokens
+                m = min(n_tok, self._tcap)
+                rest = n_tok - m
+                nbytes = 8 * META + 12 * st.sizes[st.bucket(n)] + 8 * self.table.max_num_reqs * (idx + rows)
+                if m:
+                    nbytes += 8 * META + 12 * tk.sizes[tk.bucket(m)]
+                if rest:  # full chunks, then the last one's bucket
+                    last = rest - (chunks - 1) * self._tcap
+                    nbytes += (chunks - 1) * (8 * META + 12 * self._tcap) + 8 * META + 12 * tk.sizes[tk.bucket(last)]
+                out["bytes"] = nbytes
+                out["copies"] = 2 + 2 * (m > 0) + idx + rows + 2 * chunks
+                out["replays"] = (1 + chunks) if self.path == "graph" else 0
+        out.update(
+            {
+                "staging_capacity": self._cap,
+                "token_chunk": self._tcap,
+                "overflow_chunks": len(self._chunks),
+                "pinned_bytes": self._pinned_bytes,
+                "device_bytes": self._device_bytes + self._pool_bytes,
+                "graph_pool_bytes": self._pool_bytes,
+                "graph_error": self.graph_error,
+            }
+        )
+        return out
+
+
+def _host_scatter(dst_np, area, n):
+    """The CPU: the host writes the device tensors (the same memory)."""
+    dst_np[area.pos_np[:n]] = area.val_np[:n]
+
+
+def _release(ops, held):
+    """The finalizer: wait for the device work that reads the buffers, then
+    let both allocators have them back."""
+    for g in held:
+        try:
+            if g is not None and hasattr(g, "wait_idle"):
+                g.wait_idle(ops)
+        except Exception:  # an unusable device, or interpreter exit: nothing left to wait for
+            pass
+    held.clear()
+
+
+def _capturing(what: str) -> str:
+    return (
+        f"{what} while the current stream is capturing a CUDA graph: refused before any allocation, copy or "
+        "event record, so the capture stays valid; call it before or after the engine's capture"
+    )
+
+
+def _positive(name, value, default) -> int:
+    if value is None:
+        return default
+    import operator
+
+    v = operator.index(value)
+    if v <= 0:
+        raise ValueError(f"{name} must be positive, got {value!r}")
+    return v
 
 
 def _aligned(n: int) -> int:
@@ -713,24 +1096,35 @@ class _RowsRing:
         ops = self.ops = mirror.ops
         self.mirror = mirror
         torch = ops.torch
-        self.host = [ops.pinned_empty(capacity, torch.int64) for _ in range(depth)]
+        self.host = [mirror._pinned(capacity, torch.int64) for _ in range(depth)]
         self.host_np = [h.numpy() for h in self.host]
         # on the CPU the host buffers are the result
-        self.dev = [ops.empty(capacity, torch.int64) for _ in range(depth)] if ops.asynchronous else None
+        self.dev = [mirror._device(capacity, torch.int64) for _ in range(depth)] if ops.asynchronous else None
         self.events = [ops.new_event() for _ in range(depth)]
         self.pending = [False] * depth
         self.next = 0
         self.depth = depth
         self.capacity = capacity
 
+    def wait_idle(self, ops) -> None:
+        for k in range(self.depth):
+            if self.pending[k]:
+                ops.host_wait(self.events[k])
+                self.pending[k] = False
+
     def upload(self, rows):
+        mirror = self.mirror
+        mirror._usable("upload_rows")
         k = self.next
-        self.next = (k + 1) % self.depth
         n = len(rows)
         if n > self.capacity:
             raise StateError(f"{n} rows exceed max_num_reqs={self.capacity}")
+        self.next = (k + 1) % self.depth
         if self.pending[k]:
-            self.ops.host_wait(self.events[k])  # its last copy may still be reading the buffer
+            try:
+                self.ops.host_wait(self.events[k])  # its last copy may still be reading the buffer
+            except Exception as e:
+                mirror._unusable(e)
             self.pending[k] = False
         self.host_np[k][:n] = rows
         if self.dev is None:
@@ -739,7 +1133,7 @@ class _RowsRing:
         ops = self.ops
         # on the mirror device's current stream (not the current device's)
         ops.copy(out, self.host[k][:n])
-        ops.record(self.events[k], self.mirror.current_stream())
+        ops.record(self.events[k], mirror.current_stream())
         self.pending[k] = True
         return out
 

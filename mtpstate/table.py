@@ -50,9 +50,9 @@ class RequestTable:
         ``"cpu"`` to run the same machinery without a GPU). None: host only.
     mirror_options : dict, optional
         Passed to :class:`mtpstate.mirror.DeviceMirror` (``ring_depth``,
-        ``token_ids_on_device``, ``fields``, ``engine_lengths``,
-        ``token_ids_target``, ``idx_mapping``, ``zero_rows_on_add``,
-        ``graphs``, ``ops``).
+        ``token_ids_on_device``, ``staging_capacity``, ``token_chunk``,
+        ``fields``, ``engine_lengths``, ``token_ids_target``,
+        ``idx_mapping``, ``zero_rows_on_add``, ``graphs``, ``ops``).
     seed : int, optional
         Hash seed of the request index (rows never depend on it).
     max_id_bytes : int
@@ -139,6 +139,7 @@ class RequestTable:
         self._scratch = np.zeros((T.num_scratch_rows(ng), R), np.int32)
         # rows of the last step: cached then new at [0, 2R), freed at [2R, 3R)
         self._res = np.zeros(3 * R, np.int32)
+        self._tok_runs = np.zeros((R, T.TR_STRIDE), np.int64)  # [max_num_reqs, TR_STRIDE]: the step's token runs
         if decode_query_len is not None:
             decode_query_len = operator.index(decode_query_len)
             if decode_query_len <= 0:
@@ -182,6 +183,7 @@ class RequestTable:
         c[T.TB_FLAT_BT] = self._flat_bt.ctypes.data
         c[T.TB_FLAT_TOK] = -1
         c[T.TB_RES] = self._res.ctypes.data
+        c[T.TB_TOK_RUNS] = self._tok_runs.ctypes.data
         c[T.TB_DQL] = decode_query_len or 0
         c[T.TB_BATCH] = self._b.ctypes.data
         c[T.TB_BATCH_IDX] = self._b_idx.ctypes.data
@@ -289,9 +291,8 @@ class RequestTable:
                 if status == K.E_KEY_TOO_LONG:
                     self._index._grow_arena(int(self._ctx[T.TB_ERR_ARG]))
                     continue
-                if status == K.E_STAGE_FULL:
-                    mirror.grow_staging(int(self._ctx[T.TB_ERR_ARG]))
-                    continue
+                if status == K.E_STAGE_FULL:  # (nothing grows while serving: refused, nothing applied)
+                    raise mirror.capacity_error(int(self._ctx[T.TB_ERR_ARG]))
                 if status == K.E_NOT_CANONICAL and not canonical:
                     self._python_path_steps += 1
                     canonicalize(b)
@@ -541,13 +542,29 @@ class RequestTable:
             self._mirror.synchronize()
 
     def transfer_stats(self) -> dict:
-        """``{"bytes": ..., "copies": ..., "path": ...}``: host-to-device
-        traffic of the last step (padded to its size bucket), the copies
-        that carried it, and how its device work was issued (``"graph"``,
-        ``"eager"``, ``"host"``; None: nothing shipped)."""
+        """The device mirror's traffic and memory.
+
+        ``bytes``, ``copies``, ``replays``: host-to-device traffic of the last
+        step (padded to its size buckets; 0 when it shipped nothing), the
+        copies and graph replays that carried it. ``path``: how device work
+        is issued (``"graph"``, ``"eager"``, ``"host"``; None without a
+        mirror), ``graph_error`` why not as graphs where they were wanted.
+        ``pinned_bytes``, ``device_bytes`` (of which ``graph_pool_bytes``):
+        the host staging (page-locked on CUDA) and device memory the mirror
+        holds, all of it allocated when the table was built;
+        ``staging_capacity``, ``token_chunk``, ``overflow_chunks``: its sizes.
+        """
         if self._mirror is None:
             return {"bytes": 0, "copies": 0, "path": None}
         return self._mirror.stats()
+
+    def close(self) -> None:
+        """Release the device mirror's staging after the device work in
+        flight that reads it has completed (dropping the table does the same);
+        the device tensors stay valid. Later calls that change the table
+        raise StateError. Nothing to do without a mirror."""
+        if self._mirror is not None:
+            self._mirror.close()
 
     def __repr__(self) -> str:
         m = self._mirror

@@ -42,7 +42,7 @@ def test_device_equals_host_after_every_step(knobs, steps, on_device, depth, gen
     t = RequestTable(
         **cfg,
         device="cpu",
-        mirror_options={"ring_depth": depth, "token_ids_on_device": on_device, "staging_capacity": 8},
+        mirror_options={"ring_depth": depth, "token_ids_on_device": on_device, "token_chunk": 8},
     )
     rng = np.random.default_rng(knobs["seed"])
     for so in sim.run(steps):
@@ -342,7 +342,7 @@ def test_engine_targets_follow_every_step(knobs, steps, generic):
     R, L = knobs["max_num_reqs"], 200
     sim = Simulator(**{**knobs, "max_num_reqs": R, "max_model_len": L}, prompt_len=(1, 60), output_len=(1, 40))
     target = torch.full((R, L), -1, dtype=torch.int32)
-    t = _engine_table(R, L, knobs["block_sizes"], target, staging_capacity=8)
+    t = _engine_table(R, L, knobs["block_sizes"], target, token_chunk=8)
     d = t.device_tensors
     assert d.num_computed_tokens is None and d.max_seq_len is None and d.num_computed_prefill_tokens is None
     assert d.token_ids is not None and d.token_ids.data_ptr() == target.data_ptr()
@@ -365,7 +365,7 @@ def test_unmirrored_fields_are_not_staged():
     n = 64
     setup, timed = steady_decode(n, steps=3)
     target = torch.zeros((n, 16384), dtype=torch.int32)
-    lean = _engine_table(n, 16384, (16,), target, staging_capacity=8)
+    lean = _engine_table(n, 16384, (16,), target, token_chunk=8)
     full = RequestTable(max_num_reqs=n, max_model_len=16384, device="cpu")
     for so in setup:
         lean.apply(so)

@@ -317,15 +317,24 @@ def _engine_run(ops_cls, depth, graphs) -> int:
 
 
 @pytest.mark.parametrize("graphs", [True, False], ids=["graph", "eager"])
-def test_staging_growth_mid_run_on_deferred_device(graphs):
-    """Staging that starts tiny grows (graphs recaptured) while requests are
-    live: the recapture writes nothing an engine holds (its token tensor,
-    the tensors zeroed on add), and every read still agrees."""
-    ops = DeferredOps(torch, seed=21, graphs=graphs)
-    t, checker, seeds = _engine(ops, 2, staging_capacity=8)
-    before = t._mirror._cap
-    assert _drive(ops, t, checker, _sim(48, 512, 21), 120, 21, seeds=seeds, switch=0.1) == 0
-    assert t._mirror._cap > before and t._mirror.path == ("graph" if graphs else "eager")
+def test_token_overflow_chunks_on_deferred_device(graphs):
+    """Token areas far smaller than a step's token ids (8 per slot and per
+    chunk): the rest go through the overflow ring, a chunk at a time, under
+    random holds and stream moves; every read still agrees, nothing is
+    captured after construction; with any guard removed, it does not."""
+    for ops_cls in (DeferredOps, *MUTANTS):
+        ops = ops_cls(torch, seed=21, graphs=graphs)
+        t, checker, seeds = _engine(ops, 2, token_chunk=8)
+        captures = ops.issued["capture"]
+        try:
+            bad = _drive(ops, t, checker, _sim(48, 512, 21), 120, 21, seeds=seeds, switch=0.1)
+        except (IndexError, MirrorFaultError):  # (a mutant's scatter read another step's positions)
+            assert ops_cls is not DeferredOps
+            bad = 1
+        assert (bad == 0) == (ops_cls is DeferredOps), (ops_cls.__name__, bad)
+        if ops_cls is DeferredOps:
+            assert ops.issued["capture"] == captures and t._mirror.path == ("graph" if graphs else "eager")
+            assert ops.issued["replay" if graphs else "scatter"] > 2 * 120  # (the chunks shipped)
 
 
 def test_host_token_ids_refused_on_an_asynchronous_device():
@@ -457,11 +466,14 @@ def _faulty_run(graphs: bool, fail_offset: int, fault=None):
     for k, so in enumerate(_sim(48, 512, 7).run(60)):
         if k % 5 == 4:
             ops.fail_at = sum(ops.issued.values()) + fail_offset
+        records = ops.issued["record"]
         try:
             res = t.apply(so)
         except (MirrorFaultError, KeyboardInterrupt) as e:
             assert fault is not None or "applied to the host arrays" in str(e)
-            assert t._mirror.stale
+            # stale unless everything was queued (only the slot's event record failed)
+            assert t._mirror.stale == getattr(e, "stale", True), str(e)
+            assert t._mirror.stale == (ops.issued["record"] == records), str(e)
             faults += 1
             seeds.record(so, t._result)  # (its seeds and drafts: shipped by the resync)
             unzeroed += t._result.new_rows.tolist()
@@ -485,8 +497,9 @@ def test_device_faults_leave_no_silent_divergence(graphs):
     """A failure at each device operation of a step (the step's replay and
     event record; on the eager path each copy, scatter and fill too): the
     step raises MirrorFaultError (the host was applied), the mirror is
-    stale, and after the next successful step every device tensor equals
-    the host (and the engine's tensors what each row's last add seeded)."""
+    stale unless all of the step's work was queued, and after the next
+    successful step every device tensor equals the host (and the engine's
+    tensors what each row's last add seeded)."""
     n_ops = 2 if graphs else 8
     for offset in range(n_ops):
         faults, bad = _faulty_run(graphs, offset)

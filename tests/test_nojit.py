@@ -98,3 +98,17 @@ def test_engine_mirror_nojit():
         seeds.check(t, target)
         np.testing.assert_array_equal(d.prefill_len.numpy(), t.prefill_len)
         np.testing.assert_array_equal(d.block_tables[0].numpy(), t.block_tables[0])
+
+
+def test_token_runs_and_chunks_nojit():
+    """New requests' token ids staged as runs, the slot's token area and the
+    overflow chunks (tokens.py) as plain Python, on the deferred device."""
+    pytest.importorskip("torch", reason="the device mirror needs torch")
+    import torch
+    from test_mirror_ordering import _drive, _engine, _sim
+
+    from mtpstate.devices import DeferredOps
+
+    ops = DeferredOps(torch, seed=3)
+    t, checker, seeds = _engine(ops, 2, R=16, L=128, token_chunk=8)
+    assert _drive(ops, t, checker, _sim(16, 128, 3), 15, 3, seeds=seeds) == 0

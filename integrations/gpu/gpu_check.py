@@ -10,7 +10,12 @@ network, in under 8 minutes:
    queued on the consumer's stream reading the old state; the array entry
    point and same-step duplicate writes; the vLLM adapter's engine
    configuration under a held-back stream; one graph launch per step (the
-   profiler's CUDA runtime calls); host token writes refused;
+   profiler's CUDA runtime calls); host token writes refused; the mirror's
+   own stream-follow wait with the old stream held back; a UVA token
+   target (pinned host memory mapped into the device); one step adding a
+   20k-token prompt at R = 1024, L = 32768 (no allocation, no capture; its
+   wall time in the XML report); calls during an engine's graph capture
+   refused with the capture left valid; a target on another GPU refused;
 2. the device benchmark (``mtpstate bench --only device``: at N = 1, 16,
    256, 1024, 4096, steady and mixed, apply without the mirror, with it
    (host time), until it lands, and the same step's upload done vLLM's
@@ -120,7 +125,7 @@ def main(argv=None) -> int:
     xml = os.path.join(out, "cuda-tests.xml")
     rc, dt, text = _run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "cuda", "tests/test_mirror.py",
-         f"--junitxml={xml}"],
+         "tests/test_mirror_serving.py", f"--junitxml={xml}"],
         os.path.join(out, "cuda-tests.txt"),
         min(TESTS_S, t_end - time.monotonic() - 30),
         env,

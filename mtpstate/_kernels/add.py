@@ -97,6 +97,7 @@ from mtpstate._kernels.status import (
     PH_NEW,
     V_I32,
 )
+from mtpstate._kernels.tokens import stage_token_run
 from mtpstate._kernels.writes import _write_group
 
 # ---------------------------------------------------------------------------
@@ -192,11 +193,8 @@ def _check_new(ix, tb, tp, sc, nd, nk, array_ok):
         if st != OK:
             return st
         nstage += F_NB + ng + ENG_ROWS
-        if flat_tok >= 0:
-            nstage += npf
-        elif tok_ext:
+        if flat_tok >= 0 or tok_ext:  # (staged apart: _kernels/tokens.py)
             ntok += npf
-            nstage += npf
         for g in range(ng):
             scr[O_NB + g * R + k] = nb_counts[g]
             nstage += nb_counts[g]
@@ -329,18 +327,12 @@ def write_new_request(tb, tp, nd, k, r, nb_counts, array_ok, ns, nt):
     tbase = np.int64(r) * L
     if a_tok != 0:
         _copy_tokens(vk, vb, npf, tp, a_tok, tbase)
-    if staging and flat_tok >= 0:
-        for t in range(npf):
-            st64(a_pos, ns, flat_tok + tbase + t)
-            st32(a_val, ns, ld32(a_tok, tbase + t))
-            ns += 1
-    elif staging and tok_ext:
-        # an external target is the only copy (no host one): from the
-        # request's own tokens, validated in pass 1
-        _copy_tokens(vk, vb, npf, tp, a_val, nt)
-        for t in range(npf):
-            st64(a_pos, nt + t, tbase + t)
-        nt += npf
+    if staging and (flat_tok >= 0 or tok_ext):
+        if a_tok != 0:  # from the host copy, which outlives the call
+            vk, vb = V_I32, a_tok + 4 * tbase
+        # (an external target is the only copy: from the request's own
+        # tokens, validated in pass 1 and held until apply returns)
+        nt = stage_token_run(tb, tp, k, max(flat_tok, 0) + tbase, vk, vb, npf, nt)
     st32(a_state, F_NCT * R + r, nct)
     st32(a_state, F_NCPT * R + r, min(nct, npf))
     st32(a_state, F_PREFILL * R + r, npf)

@@ -55,6 +55,8 @@ def update_from_arrays(table, req_ids, num_computed_tokens, new_block_offsets=No
                 raise InvalidStepError(f"row {int(rows[i])}: block table of group {g} overflows its {width} blocks")
             pos = np.repeat(rows * width + start - off[:-1], counts) + np.arange(len(vals))
             plans.append((g, counts, pos, vals))
+    if table._mirror is not None:  # (before the first write: a refusal changes nothing)
+        table._mirror.check_staged(2 * n + sum(n + len(vals) for _, _, _, vals in plans), "update_arrays")
     # all checks passed: write
     state = table._state
     state[T.F_NCT, rows] = nct

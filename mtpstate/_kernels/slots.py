@@ -38,7 +38,7 @@ TB_STAMP = 12
 TB_ERR_POS = 13  # error detail: position of the item in its input
 TB_ERR_ARG = 14  # error detail: the offending value, group, ...
 TB_ERR_PHASE = 15  # error detail: PH_* (which input)
-TB_STG_POS = 16  # addr int64[cap]: flat positions of changed elements
+TB_STG_POS = 16  # addr int64[cap]: flat positions of changed elements (token ids apart: TB_TOK_*)
 TB_STG_VAL = 17  # addr int32[cap]: their values
 TB_STG_CAP = 18
 TB_STG_N = 19
@@ -72,13 +72,28 @@ TB_B_NEXT_N = 44  # the batch size found by the resolve pass, for the write pass
 TB_STG_FIELDS = 45  # bit f: state field f (F_*, num_blocks rows included) is mirrored; others are not staged
 TB_FLAT_ENG = 46  # flat offset of the engine's [2, R] lengths (ENG_*), written for added rows only; -1: none
 TB_TOK_EXT = 47  # 1: a new request's token ids are staged for an external target (not the flat tensor)
-TB_STG_TOK_N = 48  # staged token elements of the step (external target), at the front of the slot
+TB_STG_TOK_N = 48  # token elements the step staged (the slot's token area holds the first TB_TOK_CAP)
 TB_STG_STRIDE = 49  # row stride of the per-request rows (state, engine lengths) on the device: R rounded up to 4
 # new requests read in place (A_NEW_REQS): the attribute names to read and
 # the list that holds what was read (see H_*)
 TB_NEW_NAMES = 50  # addr int64[H_STRIDE]: array.array (at H_REQ), then the name str of each attribute
 TB_NEW_HOLDER = 51  # id of a 1-item list the kernel puts the step's holder list into (table.py empties it)
-TB_SIZE = 52
+# new requests' token ids for the device (a token target or the mirrored
+# token_ids): staged apart from the other elements, in the open slot's token
+# area as far as it holds them, and described as runs for the rest (see
+# _kernels/tokens.py)
+TB_TOK_POS = 52  # addr int64[tok_cap]: the slot's token area, positions in the token target
+TB_TOK_VAL = 53  # addr int32[tok_cap]: their values
+TB_TOK_CAP = 54  # token elements the open slot holds
+TB_TOK_RUNS = 55  # addr int64[max_num_reqs, TR_STRIDE]: the step's token runs, one per new request
+TB_SIZE = 56
+
+# one token run: a new request's prefill token ids and where they go
+TR_DST = 0  # position of its first token in the token target
+TR_KIND = 1  # V_* kind of the source
+TR_SRC = 2  # its address (the table's host row, or the request's own, held until apply returns)
+TR_N = 3  # tokens
+TR_STRIDE = 4
 
 # rows of the engine's lengths region (TB_FLAT_ENG): seeded when a request is
 # added, then advanced by the engine's own device code, never by the host
@@ -123,7 +138,7 @@ SC_NC = 4  # cached requests
 SC_HITS = 5  # cached ids found by identity prediction
 SC_NMISS = 6  # cached ids that were not
 SC_NSTAGE = 7  # elements the step will stage (capacity check)
-SC_NTOK = 8  # token elements for an external target, staged first
+SC_NTOK = 8  # token elements the step stages (for a token target or the mirrored token_ids)
 SC_SIZE = 9
 
 # scratch rows

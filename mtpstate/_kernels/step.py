@@ -19,10 +19,9 @@ table.py from what binding.py bound). Every kind of step goes through it:
 Either way, nothing is left changed by a rejected step. Every changed
 element of a mirrored field (``TB_STG_FIELDS``) is also appended (flat
 position, value) to the staging buffers of the device mirror when that is
-on (with an engine's token target, the step's new token ids go first, at
-positions in that target, then everything else; added rows also seed the
-engine's lengths, ``TB_FLAT_ENG``), and the rows of the step (cached, new,
-freed) are written to the result array the Python side exposes.
+on (new requests' token ids apart, as runs: tokens.py; added rows also seed
+the engine's lengths, ``TB_FLAT_ENG``), and the rows of the step (cached,
+new, freed) are written to the result array the Python side exposes.
 """
 
 from __future__ import annotations
@@ -64,7 +63,6 @@ from mtpstate._kernels.slots import (
     SC_NFREED,
     SC_NN,
     SC_NSTAGE,
-    SC_NTOK,
     SC_SIZE,
     SC_STAMP,
     TB_B_N,
@@ -295,9 +293,7 @@ def _general(ixc, tbc, fin, pre, new_desc, new_reqs, cid, cnct_kind, cnct, cnct_
     res = view_i32(tb[TB_RES], 3 * R)
     for f in range(sc[SC_NFREED]):
         res[2 * R + f] = freed[f]
-    staging = tb[TB_STG_ON] != 0
-    ns = sc[SC_NTOK] if staging else 0  # token elements for an external target go first
-    ns, nt = _apply_new(tb, tp, sc, nd, array_ok, ns, 0)
+    ns, nt = _apply_new(tb, tp, sc, nd, array_ok, 0, 0)
     _forget_freed(tb, freed, cid != 0)
     if cid != 0:
         ns = _apply_cached(tb, tp, sc, i_cid, i_cblk, ns)
