@@ -722,15 +722,23 @@ class DeviceMirror:
             slot.rows_np[nn:] = new[0]  # padding: the same row zeroed again
         self._nn = nn
         self._last = (n, n_tok, nb >= 0, nn > 0, 0)
-        self._shipped = m  # token ids of the step queued so far (or in a queued area)
+        self._ship(slot, n, n_tok)
+
+    def _ship(self, slot, n, n_tok):
+        """The step's device work: its slot's (one replay, or the same work
+        issued eagerly, or run by the host), the slot's event, then any
+        overflow chunks."""
+        m = min(n_tok, self._tcap)
+        nruns = self.table._cv[T.TB_RES_NN]  # (one token run per new request)
+        self._shipped = m  # token ids of the step queued so far (or in the slot's items)
         items = self._step_items(slot, n, m)
         try:
             self._issue(items)
             self._record(slot)
             if n_tok > m:
-                self._ship_overflow(n_tok, cv[T.TB_RES_NN])
+                self._ship_overflow(n_tok, nruns)
         except BaseException as e:
-            self._failed(e, items, n_tok, cv[T.TB_RES_NN])
+            self._failed(e, items, n_tok, nruns)
 
     def _step_items(self, slot, n, m):
         """The step's device work, one operation an item, in order."""

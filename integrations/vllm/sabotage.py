@@ -6,24 +6,25 @@ from __future__ import annotations
 
 
 def _zero_token_values(mirror, slot, n, n_tok):
-    slot.val_np[:n_tok] = 0
+    if n_tok:
+        slot.tokens.val_np[: min(n_tok, slot.tokens.capacity)] = 0
 
 
 def _zero_engine_lengths(mirror, slot, n, n_tok):
     from mtpstate._kernels import slots
 
     eng = int(mirror.table._ctx[slots.TB_FLAT_ENG])
-    pos = slot.pos_np[n_tok:n]
-    slot.val_np[n_tok:n][(pos >= eng) & (pos < eng + slots.ENG_ROWS * mirror._row_stride)] = 0
+    pos = slot.state.pos_np[:n]
+    slot.state.val_np[:n][(pos >= eng) & (pos < eng + slots.ENG_ROWS * mirror._row_stride)] = 0
 
 
 def _drop_length_rows(mirror, slot, n, n_tok):
     from mtpstate._kernels import slots
 
     R = mirror._row_stride  # the device's row stride of the per-request rows
-    pos = slot.pos_np[n_tok:n]
+    pos = slot.state.pos_np[:n]
     lengths = (pos >= slots.F_PREFILL * R) & (pos < (slots.F_PROMPT + 1) * R)
-    slot.pos_np[n_tok:n][lengths] = slots.F_MAXSEQ * R  # (a row vLLM does not read)
+    slot.state.pos_np[:n][lengths] = slots.F_MAXSEQ * R  # (a row vLLM does not read)
 
 
 # negative controls of the patched differential: each corrupts one kind of

@@ -79,8 +79,17 @@ def _staging_launches_as_no_ops():
 
 def _no_ship(mirror, slot, n, n_tok):
     """``DeviceMirror._ship`` launching nothing: the step's one graph replay
-    on a GPU, counted."""
+    on a GPU, counted; token ids past the slot's token area still filled
+    into the overflow chunks (host work), each chunk's replay counted."""
+    from mtpstate._kernels import slots
+    from mtpstate._kernels.tokens import tok_fill
+
     _NoLaunch.launches += 1
+    done, nruns = min(n_tok, mirror._tcap), int(mirror.table._cv[slots.TB_RES_NN])
+    while done < n_tok:
+        a = mirror._chunks[0].tokens
+        done += tok_fill(mirror.table._ix_addr, mirror._tok_runs_addr, nruns, done, a.capacity, *a.addrs[:2])
+        _NoLaunch.launches += 1
 
 
 def _quiet(so) -> bool:
