@@ -310,6 +310,51 @@ def device_table(name: str, how: str) -> str:
     return "\n".join(lines)
 
 
+def serving_table(name: str, how: str) -> str:
+    """``mtpstate bench --only device``'s serving part: the mirror at vLLM's
+    sizes, its memory, and what it allocates and captures while serving."""
+    path = os.path.join(DOCS, name)
+    if not os.path.exists(path):
+        return f"Not measured yet: {how}; committed as `docs/{name}`, this table is generated from it."
+    with open(path) as f:
+        d = json.load(f)
+    s = d["device"].get("serving")
+    if s is None:
+        return f"Not measured yet: `docs/{name}` predates the serving part of `mtpstate bench --only device`."
+    c, mib = s["config"], 2**20
+
+    def size(b):
+        return "-" if b is None else f"{b / mib:.1f} MiB"
+
+    def spread(v):
+        return f"{v['median']:.0f} / {v['max']:.0f} us"
+
+    rows = [
+        ("staged elements a slot holds (any step's, token ids apart)", f"{s['staging_capacity']:,}"),
+        ("token ids a slot's token area holds; overflow chunks", f"{s['token_chunk']:,}; {s['overflow_chunks']}"),
+        ("pinned host memory (staging)", size(s["pinned_bytes"])),
+        ("device memory (mirrored tensors, staging, graph pool)", size(s["device_bytes"])),
+        ("of which the graphs' memory pool", size(s["graph_pool_bytes"])),
+        ("what one step can carry (12 bytes an element, R new requests' token ids)", size(s["step_bytes_bound"])),
+        ("graphs captured when the table is built", f"{s['captures_built']}"),
+        ("captures / allocations while serving", f"{s['captures_serving']} / {s['allocations_serving']}"),
+        ("growth of torch.cuda.memory_reserved() while serving", size(s["reserved_growth_bytes"])),
+        ("apply, host time per step: median / slowest", spread(s["apply_us"])),
+        ("until the step's device work has run: median / slowest", spread(s["lands_us"])),
+    ]
+    lines = [
+        machine_line(d["machine"]),
+        f"R = {c['max_num_reqs']}, L = {c['max_model_len']}, {c['block_size']}-token blocks, the vLLM adapter's "
+        f"configuration; {c['steps']} busy steps of {c['prompt_len'][0]}-{c['prompt_len'][1]}-token prompts "
+        f"({c['arrivals']} arrivals); device: {s['device']}, {s['path']} path.",
+        "",
+        "| | |",
+        "|---|---:|",
+        *(f"| {k} | {v} |" for k, v in rows),
+    ]
+    return "\n".join(lines)
+
+
 REGIONS = {
     "headline": headline,
     "kernel": kernel_tables,
@@ -321,6 +366,8 @@ REGIONS = {
     "phases": phases_table,
     "device-cpu": lambda: device_table("bench-device-cpu.json", "`mtpstate bench --only device --json F` writes it"),
     "device-gpu": lambda: device_table("bench-device-gpu.json", "`make gpu-check` writes `bench-device.json`"),
+    "serving-cpu": lambda: serving_table("bench-device-cpu.json", "`mtpstate bench --only device --json F` writes it"),
+    "serving-gpu": lambda: serving_table("bench-device-gpu.json", "`make gpu-check` writes `bench-device.json`"),
 }
 
 

@@ -58,7 +58,7 @@ _FIELD_ROWS = {
 }
 MIRRORED_FIELDS = (*_FIELD_ROWS, "num_blocks")
 
-META = 2  # int64 header of an area's positions buffer: [live elements, 0]
+META = T.STG_META  # int64 header of an area's positions buffer: [live elements, 0]
 BUCKET0 = 256  # smallest size bucket; each next one is 4x larger, the last the capacity
 TOKEN_CHUNK = 1 << 18  # default token ids per slot and per overflow chunk (at least max_model_len)
 OVERFLOW_CHUNKS = 2  # chunks of the ring that carries a step's token ids past its slot's token area
@@ -105,12 +105,14 @@ def step_capacity(max_num_reqs: int, num_groups: int, max_num_blocks_per_group) 
 
 class _Area:
     """Pinned host buffers for staged (position, value) elements: positions
-    int64 after a META header, values int32; views made once per bucket."""
+    int64 after a META header, values int32; views made once per bucket.
+    ``pos``, ``val``: views of buffers shared with another area (a slot's
+    token area follows its elements: the kernels find it there)."""
 
-    def __init__(self, mirror, capacity):
+    def __init__(self, mirror, capacity, pos=None, val=None):
         torch = mirror._torch
-        self.pos = mirror._pinned(META + capacity, torch.int64)  # [META + cap]
-        self.val = mirror._pinned(capacity, torch.int32)  # [cap]
+        self.pos = mirror._pinned(META + capacity, torch.int64) if pos is None else pos  # [META + cap]
+        self.val = mirror._pinned(capacity, torch.int32) if val is None else val  # [cap]
         pos = self.pos.numpy()
         pos[:] = 0
         self.val.numpy()[:] = 0
@@ -159,9 +161,11 @@ class _Slot(_Guarded):
 
     def __init__(self, mirror, capacity, tok_capacity, R, idx, rows):
         torch = mirror._torch
-        self.state = _Area(mirror, capacity)
-        self.tokens = _Area(mirror, tok_capacity) if tok_capacity else None
-        self.tok_addrs = self.tokens.addrs if self.tokens is not None else (0, 0, 0)
+        # one buffer each for positions and values: the elements, then the token area
+        pos = mirror._pinned(META + capacity + (META + tok_capacity if tok_capacity else 0), torch.int64)
+        val = mirror._pinned(capacity + tok_capacity, torch.int32)
+        self.state = _Area(mirror, capacity, pos[: META + capacity], val[:capacity])
+        self.tokens = _Area(mirror, tok_capacity, pos[META + capacity :], val[capacity:]) if tok_capacity else None
         self.idx = mirror._pinned(R, torch.int64) if idx else None  # [R]: the batch's idx_mapping
         self.rows = mirror._pinned(R, torch.int64) if rows else None  # [R]: new rows, padded
         for b in (self.idx, self.rows):
@@ -190,17 +194,19 @@ class _Chunk(_Guarded):
 
 
 class _Fault:
-    """What a failed step left to do: its operations not yet queued, and the
-    token ids of its chunks not yet queued (kept here: apply's token objects
-    are gone by the next call)."""
+    """What a failed step left to do: the operations of its slot's work not
+    yet queued (from ``done`` on), and the token ids of its chunks not yet
+    queued (kept here: apply's token objects are gone by the next call)."""
 
-    def __init__(self, items, tokens):
-        self.items = items  # callables, each issuing one device operation, in order
+    def __init__(self, slot, n, m, nn, done, slot_done, tokens):
+        self.slot, self.n, self.m, self.nn = slot, n, m, nn  # the slot's work (see _slot_work)
+        self.done = done  # its operations queued
+        self.slot_done = slot_done  # all of them
         self.tokens = tokens  # (positions int64, values int32) or None
 
     @property
     def stale(self) -> bool:
-        return bool(self.items) or self.tokens is not None
+        return not self.slot_done or self.tokens is not None
 
 
 class DeviceMirror:
@@ -293,6 +299,7 @@ class DeviceMirror:
         if requested.type == "cuda" and not torch.cuda.is_available():
             raise StateError(f"device {device!r} requested but CUDA is not available")
         self.ops = ops = devices.ops_for(torch, requested) if ops is None else ops
+        self.asynchronous = ops.asynchronous
         self.device = ops.device if ops.device.type == requested.type else requested  # index resolved
         self.is_cuda = self.device.type == "cuda"
         if ops.capturing():  # before any allocation, copy or synchronization
@@ -351,6 +358,7 @@ class DeviceMirror:
         self._fault = None  # what a failed step left to do (_Fault)
         self._lost = None  # the message of a device that failed to synchronize: unusable
         self._closed = False
+        self._blocked = False  # closed, or the device lost: every call refused
         self._idx_slot, self._idx_n = None, 0
         self._last = None  # (n, tokens, idx shipped, rows shipped, chunks) of the last step that shipped
         self._rows_rings = {}
@@ -434,6 +442,7 @@ class DeviceMirror:
         ctx[T.TB_TOK_EXT] = int(self._tok_target is not None)
         ctx[T.TB_STG_FIELDS] = mask
         ctx[T.TB_STG_STRIDE] = SR
+        ctx[T.TB_TOK_CAP] = self._tcap
         self._row_stride = SR
         self._layout = (nrows, SR, offsets, tok_off)
         try:
@@ -634,18 +643,22 @@ class DeviceMirror:
     def _usable(self, what: str) -> None:
         """Refuse a call on a closed or unusable mirror, or while the current
         stream is capturing (our operations would land in the engine's
-        graph): before any device call."""
+        graph): before any device call. (The CPU captures nothing.)"""
+        if self._blocked:
+            self._refuse(what)
+        if self.asynchronous and self.ops.capturing():
+            raise StateError(_capturing(what))
+
+    def _refuse(self, what: str) -> None:
         if self._closed:
             raise StateError(f"{what}: the table's device mirror was closed")
-        if self._lost is not None:
-            raise MirrorFaultError(self._lost)
-        if self.ops.capturing():
-            raise StateError(_capturing(what))
+        raise MirrorFaultError(self._lost)
 
     def begin_step(self, what: str = "apply"):
         """Point the kernels at a free staging slot (waiting only if the ring
         is full); what a failed step left is issued first."""
-        self._usable(what)
+        if self._blocked or (self.asynchronous and self.ops.capturing()):
+            self._usable(what)
         if self._fault is not None:
             self.resync()
         if self._open is None:
@@ -655,7 +668,6 @@ class DeviceMirror:
             self._open = slot
             cv = self.table._cv  # (the context as Python ints: cheaper than numpy scalars)
             cv[T.TB_STG_POS], cv[T.TB_STG_VAL], cv[T.TB_STG_CAP] = slot.state.addrs
-            cv[T.TB_TOK_POS], cv[T.TB_TOK_VAL], cv[T.TB_TOK_CAP] = slot.tok_addrs
             cv[T.TB_STG_ON] = 1
         self.table._cv[T.TB_STG_N] = 0
 
@@ -707,11 +719,10 @@ class DeviceMirror:
             slot.state.pos_np[:m] = pos
             slot.state.val_np[:m] = val
             n = m
-        m = min(n_tok, self._tcap)  # token ids in the slot's token area
         if self.path == "graph":  # the counts the graph reads on the device
             slot.state.meta_np[0] = n
-            if m:
-                slot.tokens.meta_np[0] = m
+            if n_tok:
+                slot.tokens.meta_np[0] = n_tok if n_tok <= self._tcap else self._tcap
         if nb >= 0:
             slot.idx_np[:nb] = t._b_idx[:nb]
             self._idx_slot, self._idx_n = slot, nb
@@ -728,47 +739,84 @@ class DeviceMirror:
         """The step's device work: its slot's (one replay, or the same work
         issued eagerly, or run by the host), the slot's event, then any
         overflow chunks."""
-        m = min(n_tok, self._tcap)
-        nruns = self.table._cv[T.TB_RES_NN]  # (one token run per new request)
-        self._shipped = m  # token ids of the step queued so far (or in the slot's items)
-        items = self._step_items(slot, n, m)
+        tcap = self._tcap
+        m = n_tok if n_tok <= tcap else tcap  # token ids in the slot's token area
+        self._shipped = m  # token ids of the step queued so far (or in the slot's work)
+        self._done = 0
+        slot_done = False
         try:
-            self._issue(items)
-            self._record(slot)
+            if self.asynchronous:
+                ops = self.ops
+                if ops.stream_key() != self._stream_key:
+                    self._follow_stream()
+                self._slot_work(slot, n, m, self._nn, 0)
+                slot_done = True
+                slot.pending = True  # (before the record: a failed record leaves it to the drain)
+                ops.record(slot.event, self._stream)
+            else:  # the CPU (_slot_work's host branch, inline: the host path's every step)
+                st = slot.state
+                self._flat_np[st.pos_np[:n]] = st.val_np[:n]
+                self._done = 1
+                if m or self._nn:
+                    self._host_rest(slot, m, self._nn, 1)
+                slot_done = True
             if n_tok > m:
-                self._ship_overflow(n_tok, nruns)
+                self._ship_overflow(n_tok, self.table._cv[T.TB_RES_NN])
         except BaseException as e:
-            self._failed(e, items, n_tok, nruns)
+            self._failed(e, _Fault(slot, n, m, self._nn, self._done, slot_done, None), n_tok)
 
-    def _step_items(self, slot, n, m):
-        """The step's device work, one operation an item, in order."""
+    def _slot_work(self, slot, n, m, nn, start):
+        """Issue the slot's device work for ``n`` staged elements, ``m`` token
+        ids and ``nn`` new rows, one operation at a time in order, from its
+        operation ``start`` on (those before were queued by the call that
+        failed); ``_done`` counts the operations queued."""
+        if self.path == "graph":  # one operation: the replay
+            if start == 0:
+                kind = V_TOK if m else V_NEW if nn else V_PLAIN
+                key = (kind, slot.state.bucket(n), slot.tokens.bucket(m) if m else None)
+                self.ops.replay(slot.graphs[key][0])
+            self._done = 1
+            return
+        if self.path == "host":  # the CPU: the host's writes (the same memory), in order
+            if start == 0:
+                st = slot.state
+                self._flat_np[st.pos_np[:n]] = st.val_np[:n]
+                self._done = 1
+            if m or nn:
+                self._host_rest(slot, m, nn, start)
+            return
+        for k, op in enumerate(self._eager_ops(slot, n, m, nn)):
+            if k >= start:
+                op()
+                self._done = k + 1
+
+    def _host_rest(self, slot, m, nn, start):
+        """The host's writes after the staged elements: the token ids, then
+        the new rows zeroed in each engine tensor (operations 1, 2, ...)."""
+        k = 1
+        if m:
+            if start <= k:
+                _host_scatter(self._tok_np, slot.tokens, m)
+                self._done = k + 1
+            k += 1
+        for z in self._fills if nn else ():
+            if start <= k:
+                self.ops.fill_rows(z, slot.rows[:nn], 0)
+                self._done = k + 1
+            k += 1
+
+    def _eager_ops(self, slot, n, m, nn):
+        """The slot's work as separate operations (no graph to replay)."""
         ops = self.ops
-        items = []
-        if self.path != "host" and ops.stream_key() != self._stream_key:
-            items.append(self._follow_stream)
-        st, tk = slot.state, slot.tokens
-        if self.path == "graph":
-            kind = V_TOK if m else V_NEW if self._nn else V_PLAIN
-            key = (kind, st.bucket(n), tk.bucket(m) if m else None)
-            items.append(lambda: ops.replay(slot.graphs[key][0]))
-            return items
-        if self.path == "host":
-            items.append(lambda: _host_scatter(self._flat_np, st, n))
-            if m:
-                items.append(lambda: _host_scatter(self._tok_np, tk, m))
-        else:
-            items += self._eager_scatter(st, n, self._dstate, self._flat, self._dummy)
-            if m:
-                items += self._eager_scatter(tk, m, self._dtok, self._tok_dst, None)
-            if slot.idx is not None:
-                items.append(lambda: ops.copy(slot.didx, slot.idx))
-        if self._nn:
-            nn = self._nn
-            if self.path != "host":
-                items.append(lambda: ops.copy(slot.drows, slot.rows))
-            rows = slot.drows if self.path != "host" else slot.rows[:nn]
-            items += [lambda z=z: ops.fill_rows(z, rows, 0) for z in self._fills]
-        return items
+        yield from self._eager_scatter(slot.state, n, self._dstate, self._flat, self._dummy)
+        if m:
+            yield from self._eager_scatter(slot.tokens, m, self._dtok, self._tok_dst, None)
+        if slot.idx is not None:
+            yield lambda: ops.copy(slot.didx, slot.idx)
+        if nn:
+            yield lambda: ops.copy(slot.drows, slot.rows)
+            for z in self._fills:
+                yield lambda z=z: ops.fill_rows(z, slot.drows, 0)
 
     def _eager_scatter(self, area, n, dev, target, spare):
         """An area's work as separate operations: padding written by the
@@ -794,7 +842,7 @@ class DeviceMirror:
             del items[0]
 
     def _record(self, guarded):
-        if self.ops.asynchronous:
+        if self.asynchronous:
             guarded.pending = True  # (before the record: a failed record leaves it to the drain)
             self.ops.record(guarded.event, self._stream)
 
@@ -833,18 +881,18 @@ class DeviceMirror:
             return [lambda: _host_scatter(self._tok_np, a, m)]
         return self._eager_scatter(a, m, self._dtok, self._tok_dst, None)
 
-    def _failed(self, e, items, n_tok, nruns):
+    def _failed(self, e, fault, n_tok):
         """A step's device work failed: keep what was not queued (its token
         ids past the last queued chunk copied out of apply's objects), raise."""
-        tokens = None
         if self._shipped < n_tok:
             rest = n_tok - self._shipped
             pos, val = np.empty(rest, np.int64), np.empty(rest, np.int32)
+            nruns = self.table._cv[T.TB_RES_NN]
             tok_fill(
                 self.table._ix_addr, self._tok_runs_addr, nruns, self._shipped, rest, pos.ctypes.data, val.ctypes.data
             )
-            tokens = (pos, val)
-        self._fault = _Fault(items, tokens)
+            fault.tokens = (pos, val)
+        self._fault = fault
         if not isinstance(e, Exception):  # an interrupt: as it is
             raise e
         if self._lost is not None:  # (a wait found the device unusable)
@@ -894,7 +942,13 @@ class DeviceMirror:
             try:
                 for o, a in self._host_regions():
                     ops.copy(self._flat[o : o + a.size], self._torch.from_numpy(a.copy()))
-                self._issue(f.items)
+                if not f.slot_done:
+                    self._done = f.done
+                    try:
+                        self._slot_work(f.slot, f.n, f.m, f.nn, f.done)
+                    finally:
+                        f.done = self._done
+                    f.slot_done = True
                 if f.tokens is not None:
                     self._ship_kept_tokens(*f.tokens)
                     f.tokens = None
@@ -999,6 +1053,7 @@ class DeviceMirror:
                 g.pending = [False] * g.depth
 
     def _unusable(self, e):
+        self._blocked = True
         self._lost = (
             f"device mirror: the device {self.device} is unusable ({e!r} while waiting for it: a sticky device "
             "error, which every later device call reports until the process recreates its device context); "
@@ -1013,7 +1068,7 @@ class DeviceMirror:
         table is dropped). Later calls that need the device raise StateError."""
         if self._closed:
             return
-        self._closed = True
+        self._closed = self._blocked = True
         self._open = None
         self._finalizer()
         self._slots, self._chunks, self._rows_rings = [], [], {}

@@ -193,6 +193,20 @@ def _calls_during_capture(blind: bool):
 # faults before and after the step's work was queued
 
 
+def _forget_progress(mirror):
+    """The mutant: a failed step's work all left to the next call, queued or not."""
+    ship = mirror._ship
+
+    def forgetful(slot, n, n_tok):
+        try:
+            ship(slot, n, n_tok)
+        finally:
+            if mirror._fault is not None:
+                mirror._fault.done, mirror._fault.slot_done = 0, False
+
+    mirror._ship = forgetful
+
+
 def _advance_new_rows(ops, t, rows, drafts):
     """The engine's device code after a step: it advances the new rows'
     lengths and writes their drafts (queued on the consumer's stream)."""
@@ -218,8 +232,8 @@ def test_work_queued_before_a_fault_is_not_issued_again(graphs):
     for forgetful in (False, True):
         ops = DeferredOps(torch, seed=5, graphs=graphs)
         t, target, drafts = _engine(ops)
-        if forgetful:  # issues every item, removes none: the next call re-issues the whole step
-            t._mirror._issue = lambda items: [item() for item in items]
+        if forgetful:  # keeps no count of what was queued: the next call re-issues the whole step
+            _forget_progress(t._mirror)
         seeds = EngineSeeds()
         faults = bad = 0
         for k, so in enumerate(_sim(seed=5).run(60)):
@@ -517,3 +531,21 @@ def test_cuda_a_target_on_another_gpu_is_refused():
     target = torch.zeros((8, 64), dtype=torch.int32, device="cuda:1")
     with pytest.raises(ValueError, match="same device"):
         RequestTable(max_num_reqs=8, max_model_len=64, device="cuda:0", mirror_options={"token_ids_target": target})
+
+
+def test_the_device_bench_reports_the_mirror_at_vllm_sizes(tmp_path):
+    """`mtpstate bench --only device` (quick, N = 1) also serves at vLLM's
+    sizes and reports it: memory within twice a step's bound, nothing
+    captured or allocated after construction, in the console and the JSON."""
+    import io
+    import json
+
+    from mtpstate.tools.bench import run
+
+    out, path = [], tmp_path / "device.json"
+    run(quick=True, sizes=[1], what=("device",), json_path=str(path), out=out.append, progress_stream=io.StringIO())
+    s = json.loads(path.read_text())["device"]["serving"]
+    assert s["config"]["max_num_reqs"] == 1024 and s["config"]["max_model_len"] == 32768 and s["config"]["arrivals"] > 0
+    assert s["captures_serving"] == 0 and s["allocations_serving"] == 0 and s["captures_built"] > 0
+    assert 0 < s["pinned_bytes"] <= 2 * s["step_bytes_bound"] and 0 < s["device_bytes"] <= 2 * s["step_bytes_bound"]
+    assert "vLLM's sizes" in out[0] and "0 captures" in out[0]

@@ -81,12 +81,13 @@ TB_NEW_HOLDER = 51  # id of a 1-item list the kernel puts the step's holder list
 # new requests' token ids for the device (a token target or the mirrored
 # token_ids): staged apart from the other elements, in the open slot's token
 # area as far as it holds them, and described as runs for the rest (see
-# _kernels/tokens.py)
-TB_TOK_POS = 52  # addr int64[tok_cap]: the slot's token area, positions in the token target
-TB_TOK_VAL = 53  # addr int32[tok_cap]: their values
-TB_TOK_CAP = 54  # token elements the open slot holds
-TB_TOK_RUNS = 55  # addr int64[max_num_reqs, TR_STRIDE]: the step's token runs, one per new request
-TB_SIZE = 56
+# _kernels/tokens.py). The token area follows the slot's elements in the
+# same buffers: positions at TB_STG_POS + 8 * (TB_STG_CAP + STG_META), values
+# at TB_STG_VAL + 4 * TB_STG_CAP
+TB_TOK_CAP = 52  # token elements a slot's token area holds
+TB_TOK_RUNS = 53  # addr int64[max_num_reqs, TR_STRIDE]: the step's token runs, one per new request
+TB_SIZE = 54
+STG_META = 2  # int64 header before an area's positions (the mirror's live-element count)
 
 # one token run: a new request's prefill token ids and where they go
 TR_DST = 0  # position of its first token in the token target

@@ -17,10 +17,12 @@ from mtpstate._kernels.native import ld32, ld64, st32, st64, view_i64
 from mtpstate._kernels.pyobjects import _pytypes, _vget
 from mtpstate._kernels.slots import (
     IX_SIZE,
+    STG_META,
+    TB_STG_CAP,
+    TB_STG_POS,
+    TB_STG_VAL,
     TB_TOK_CAP,
-    TB_TOK_POS,
     TB_TOK_RUNS,
-    TB_TOK_VAL,
     TR_DST,
     TR_KIND,
     TR_N,
@@ -56,7 +58,8 @@ def stage_token_run(tb, tp, k, dst, kind, src, n, nt):
     st64(a_runs, TR_SRC, src)
     st64(a_runs, TR_N, n)
     fit = min(n, max(0, tb[TB_TOK_CAP] - nt))
-    _stage_tokens(kind, src, tp, 0, fit, dst, tb[TB_TOK_POS], tb[TB_TOK_VAL], nt)
+    cap = tb[TB_STG_CAP]  # (the token area follows the slot's elements)
+    _stage_tokens(kind, src, tp, 0, fit, dst, tb[TB_STG_POS] + 8 * (cap + STG_META), tb[TB_STG_VAL] + 4 * cap, nt)
     return nt + n
 
 

@@ -473,7 +473,14 @@ def run(
     (``wrote(path)`` is called for each file written)."""
     from mtpstate import warmup
     from mtpstate._kernels.jit import COMPILE_NOTICE
-    from mtpstate.tools.bench_device import DEVICE_SIZES, DEVICE_WORKLOADS, bench_device, format_device_report
+    from mtpstate.tools.bench_device import (
+        DEVICE_SIZES,
+        DEVICE_WORKLOADS,
+        bench_device,
+        bench_serving,
+        format_device_report,
+        format_serving_report,
+    )
 
     sizes_given = sizes
     sizes = sorted(set(sizes or (QUICK_SIZES if quick else FULL_SIZES if full else SIZES)))
@@ -484,7 +491,7 @@ def run(
 
     dev_sizes = sorted(set(sizes_given or (QUICK_SIZES if quick else DEVICE_SIZES)))
     total = (
-        (len(DEVICE_WORKLOADS) * len(dev_sizes) if "device" in what else 0)
+        (len(DEVICE_WORKLOADS) * len(dev_sizes) + 1 if "device" in what else 0)
         + (len(WORKLOADS) * len(sizes) if "table" in what else 0)
         + (len(VLLM_WORKLOADS) * len(sizes) if "vllm" in what else 0)
         + (len(sizes) if "index" in what else 0)
@@ -495,7 +502,7 @@ def run(
     try:
         if "device" in what:
             dev_results, facts = bench_device(dev_sizes, quick, progress, vllm_src=vllm_src)
-            device = {"facts": facts, "results": dev_results}
+            device = {"facts": facts, "results": dev_results, "serving": bench_serving(quick, progress)}
         if "table" in what:
             results += bench_table(sizes, quick, progress)
         if "vllm" in what:
@@ -507,7 +514,8 @@ def run(
     fits = fit_costs(results)
     report = format_report(machine, results, warmup_s, fits)
     if device is not None:
-        report = "\n".join([report, *format_device_report(device["results"], device["facts"])])
+        dev_report = format_device_report(device["results"], device["facts"]) + format_serving_report(device["serving"])
+        report = "\n".join([report, *dev_report])
     out(report)
     if json_path:
         doc = {"machine": machine, "warmup_s": warmup_s, "results": results, "fits": fits}

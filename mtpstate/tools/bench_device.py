@@ -188,6 +188,127 @@ def bench_device(sizes, quick, progress, device=None, vllm_src=None):
     return results, facts
 
 
+# vLLM's sizes: max_num_reqs, max_model_len, block size, decode_query_len
+SERVING = {"max_num_reqs": 1024, "max_model_len": 32768, "block_size": 16, "decode_query_len": 4}
+
+
+def bench_serving(quick, progress, device=None) -> dict:
+    """The mirror at vLLM's sizes in the vLLM adapter's configuration (three
+    fields, engine lengths, a token target, idx_mapping, drafts zeroed),
+    serving a busy simulated workload of 2k-20k-token prompts: its memory
+    (``transfer_stats``), what it allocates and captures after construction
+    (nothing, by design), and each step's host time (apply) and time until
+    its device work has run (apply, then a synchronize). On the CPU the
+    device is the deferred model of a GPU (the graph path; its work runs on
+    the host at the synchronize), whose times are not a GPU's."""
+    import torch
+
+    from mtpstate import RequestTable
+    from mtpstate.devices import DeferredOps
+    from mtpstate.tools.sim import Simulator
+
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    R, L, bs, dql = (SERVING[k] for k in ("max_num_reqs", "max_model_len", "block_size", "decode_query_len"))
+    on_gpu = torch.device(device).type == "cuda"
+    ops = None if on_gpu else DeferredOps(torch)
+    dev = device if on_gpu else "cpu"
+    target = torch.zeros((R, L), dtype=torch.int32, device=dev)  # vLLM's all_token_ids
+    drafts = torch.zeros((R, dql - 1), dtype=torch.int64, device=dev)  # vLLM's draft_tokens
+    reserved = torch.cuda.memory_reserved() if on_gpu else 0
+    t0 = time.perf_counter()
+    table = RequestTable(
+        max_num_reqs=R,
+        max_model_len=L,
+        block_sizes=[bs],
+        device=dev,
+        decode_query_len=dql,
+        mirror_options={
+            "fields": ("prefill_len", "prompt_len", "num_blocks"),
+            "engine_lengths": True,
+            "token_ids_target": target,
+            "idx_mapping": True,
+            "zero_rows_on_add": (drafts,),
+            "ops": ops,
+        },
+    )
+    build_s = time.perf_counter() - t0
+    m = table._mirror
+    built_reserved = torch.cuda.memory_reserved() if on_gpu else 0
+    after = {"captures": 0, "allocations": 0}
+    real = {k: getattr(m.ops, k) for k in ("capture", "pinned_empty", "empty")}
+
+    def counted(kind, name):
+        def call(*a, **k):
+            after[kind] += 1
+            return real[name](*a, **k)
+
+        return call
+
+    m.ops.capture = counted("captures", "capture")
+    m.ops.pinned_empty = counted("allocations", "pinned_empty")
+    m.ops.empty = counted("allocations", "empty")
+    steps = 15 if quick else 60
+    sim = Simulator(
+        max_num_reqs=R, max_model_len=L, block_sizes=(bs,), max_num_batched_tokens=65536, arrivals_per_step=4,
+        prompt_len=(2000, 20000), output_len=(20, 200), num_spec=dql - 1, seed=3,
+    )  # fmt: skip
+    sync = torch.cuda.synchronize if on_gpu else ops.synchronize
+    progress.cell(f"device serving R={R} L={L}", 1)
+    host, lands, arrivals = [], [], 0
+    for k, so in enumerate(sim.run(steps)):
+        a = time.perf_counter()
+        res = table.apply(so)
+        b = time.perf_counter()
+        sync()
+        c = time.perf_counter()
+        if k >= 2:  # (the first steps compile what the warm-up did not reach)
+            host.append(b - a)
+            lands.append(c - a)
+        arrivals += len(res.new_rows)
+    progress.tick()
+    stats = table.transfer_stats()
+    out = {
+        "config": {**SERVING, "adapter": True, "prompt_len": [2000, 20000], "steps": steps, "arrivals": arrivals},
+        "device": device if on_gpu else "deferred model of a GPU (DeferredOps, on the CPU)",
+        "path": stats["path"],
+        "graph_error": stats["graph_error"],
+        "build_s": build_s,
+        "staging_capacity": stats["staging_capacity"],
+        "token_chunk": stats["token_chunk"],
+        "overflow_chunks": stats["overflow_chunks"],
+        "pinned_bytes": stats["pinned_bytes"],
+        "device_bytes": stats["device_bytes"],
+        "graph_pool_bytes": stats["graph_pool_bytes"],
+        "step_bytes_bound": 12 * stats["staging_capacity"] + 12 * R * L,
+        "captures_built": sum(len(s.graphs) for s in (*m._slots, *m._chunks)),
+        "captures_serving": after["captures"],
+        "allocations_serving": after["allocations"],
+        "reserved_growth_bytes": (torch.cuda.memory_reserved() - built_reserved) if on_gpu else None,
+        "reserved_by_table_bytes": (built_reserved - reserved) if on_gpu else None,
+        "apply_us": {"median": statistics.median(host) * 1e6, "max": max(host) * 1e6},
+        "lands_us": {"median": statistics.median(lands) * 1e6, "max": max(lands) * 1e6},
+    }
+    table.close()
+    return out
+
+
+def format_serving_report(s: dict) -> list[str]:
+    mib = 2**20
+    c = s["config"]
+    return [
+        "",
+        f"device mirror at vLLM's sizes (R = {c['max_num_reqs']}, L = {c['max_model_len']}, the adapter's "
+        f"configuration; {c['steps']} busy steps of {c['prompt_len'][0]}-{c['prompt_len'][1]}-token prompts, "
+        f"{c['arrivals']} arrivals) on {s['device']}, {s['path']} path:",
+        f"  memory: pinned {s['pinned_bytes'] / mib:.1f} MiB, device {s['device_bytes'] / mib:.1f} MiB "
+        f"(graph pool {s['graph_pool_bytes'] / mib:.1f}); one step can carry {s['step_bytes_bound'] / mib:.0f} MiB",
+        f"  after construction: {s['captures_serving']} captures (of {s['captures_built']} made when built), "
+        f"{s['allocations_serving']} allocations",
+        f"  per step: apply {s['apply_us']['median']:.0f} us median, {s['apply_us']['max']:.0f} max; until it "
+        f"lands {s['lands_us']['median']:.0f} us median, {s['lands_us']['max']:.0f} max",
+    ]
+
+
 def _rows(workload, n, times) -> list[dict]:
     arr = {k: np.asarray(v) for k, v in times.items()}
     paired = {
