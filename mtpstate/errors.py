@@ -39,7 +39,8 @@ class DuplicateRequestError(StateError):
 
 
 class CapacityError(StateError):
-    """More requests than free rows."""
+    """More requests than free rows, or a step that stages more than a
+    device mirror's ``staging_capacity``."""
 
 
 class InvalidStepError(StateError):

@@ -964,8 +964,7 @@ class DeviceMirror:
         """A failed step's token ids kept on the host, through the overflow
         ring's chunks (idle: the caller drained), a chunk at a time."""
         for start in range(0, len(pos), self._tcap):
-            c = self._chunks[0] if self._chunks else self._slots[self._next]
-            a = c.tokens
+            a = self._chunks[0].tokens  # (token ids are kept only past a slot's token area: the ring exists)
             m = min(self._tcap, len(pos) - start)
             a.pos_np[:m] = pos[start : start + m]
             a.val_np[:m] = val[start : start + m]

@@ -293,6 +293,38 @@ def test_work_not_queued_is_issued_once_by_the_next_call(graphs):
     _assert_device_equals_host(t, target, seeds)
 
 
+@pytest.mark.parametrize("at", [2, 3], ids=["chunk replay", "chunk record"])
+def test_token_ids_past_a_fault_in_the_overflow_ring_are_kept(at):
+    """Token areas of 8 token ids: a step's first overflow chunk fails at its
+    replay (or its event record). The token ids not yet queued are copied
+    out of the step's requests before apply returns (their objects are gone
+    by the next call); the next call ships them, and every row holds what
+    its add seeded."""
+    ops = DeferredOps(torch, seed=9)
+    t, target, _ = _engine(ops, token_chunk=8)
+    steps = list(_sim(seed=9).run(50))
+    seeds = EngineSeeds()
+    seeds.record(steps[0], t.apply(steps[0]))  # (the stream followed: no stream wait in the steps below)
+    faults = 0
+    for so in steps[1:]:
+        if sum(len(r.prompt_token_ids) for r in so.scheduled_new_reqs) > 8:
+            ops.fail_at = sum(ops.issued.values()) + at  # (the slot's replay and record, then the first chunk's)
+            with pytest.raises(MirrorFaultError) as e:
+                t.apply(so)
+            ops.fail_at = None
+            assert e.value.stale and t._mirror.stale
+            faults += 1
+            seeds.record(so, t._result)
+            for r in so.scheduled_new_reqs:  # what apply held is gone
+                r.prompt_token_ids = r.prefill_token_ids = None
+            t.synchronize()
+            _assert_device_equals_host(t, target, seeds)
+        else:
+            seeds.record(so, t.apply(so))
+    assert faults > 3
+    _assert_device_equals_host(t, target, seeds)
+
+
 def test_a_lost_device_is_unusable_with_one_clear_error():
     """A sticky device error: the step it hits raises (stale), the next call
     finds the device cannot be waited for and says it is unusable; every

@@ -81,11 +81,16 @@ def _no_ship(mirror, slot, n, n_tok):
     """``DeviceMirror._ship`` launching nothing: the step's one graph replay
     on a GPU, counted; token ids past the slot's token area still filled
     into the overflow chunks (host work), each chunk's replay counted."""
+    _NoLaunch.launches += 1
+    if n_tok > mirror._tcap:
+        _fill_overflow(mirror, n_tok)
+
+
+def _fill_overflow(mirror, n_tok):
     from mtpstate._kernels import slots
     from mtpstate._kernels.tokens import tok_fill
 
-    _NoLaunch.launches += 1
-    done, nruns = min(n_tok, mirror._tcap), int(mirror.table._cv[slots.TB_RES_NN])
+    done, nruns = mirror._tcap, int(mirror.table._cv[slots.TB_RES_NN])
     while done < n_tok:
         a = mirror._chunks[0].tokens
         done += tok_fill(mirror.table._ix_addr, mirror._tok_runs_addr, nruns, done, a.capacity, *a.addrs[:2])
