@@ -21,15 +21,16 @@ from mtpstate.tools.sim import Simulator  # noqa: E402
 DQL = 4  # decode_query_len (3 drafts)
 
 
-def _engine(ops, R=48, L=512, block_sizes=(16, 32), **options):
-    """The vLLM adapter's configuration (see test_mirror_ordering._engine)."""
-    target = torch.full((R, L), -1, dtype=torch.int32)
-    drafts = torch.zeros((R, DQL - 1), dtype=torch.int64)
+def _engine(ops, R=48, L=512, block_sizes=(16, 32), device="cpu", target=None, **options):
+    """The vLLM adapter's configuration (see test_mirror_ordering._engine):
+    (table, its token target, the drafts it zeroes on add)."""
+    target = torch.full((R, L), -1, dtype=torch.int32, device=device) if target is None else target
+    drafts = torch.zeros((R, DQL - 1), dtype=torch.int64, device=device)
     t = RequestTable(
         max_num_reqs=R,
         max_model_len=L,
         block_sizes=block_sizes,
-        device="cpu",
+        device=device,
         decode_query_len=DQL,
         mirror_options=engine_mirror_options(target, ops=ops, idx_mapping=True, zero_rows_on_add=(drafts,), **options),
     )
@@ -424,17 +425,7 @@ cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GP
 
 
 def _cuda_engine(R, L, block_sizes=(16,), target=None, **options):
-    target = torch.full((R, L), -1, dtype=torch.int32, device="cuda") if target is None else target
-    drafts = torch.zeros((R, DQL - 1), dtype=torch.int64, device="cuda")
-    t = RequestTable(
-        max_num_reqs=R,
-        max_model_len=L,
-        block_sizes=block_sizes,
-        device="cuda",
-        decode_query_len=DQL,
-        mirror_options=engine_mirror_options(target, idx_mapping=True, zero_rows_on_add=(drafts,), **options),
-    )
-    return t, target, drafts
+    return _engine(None, R, L, block_sizes, device="cuda", target=target, **options)
 
 
 @pytest.mark.cuda
