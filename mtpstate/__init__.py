@@ -41,9 +41,6 @@ def warmup() -> float:
     cached = NS(req_ids=["w"], num_computed_tokens=[2], new_block_ids=[([1],)])
     t.apply(NS(finished_req_ids=set(), preempted_req_ids=None, scheduled_new_reqs=[], scheduled_cached_reqs=cached))
     t.apply(NS(finished_req_ids={"w"}, preempted_req_ids=None, scheduled_new_reqs=[], scheduled_cached_reqs=none))
-    from mtpstate._kernels.tokens import tok_fill
-
-    tok_fill(t._ix_addr, t._tok_runs.ctypes.data, 0, 0, 0, 0, 0)  # (a mirror's chunks past a slot's token area)
     ix = RequestIndex(2)
     ix.insert(["w"])
     ix.lookup(["w"])

@@ -512,6 +512,8 @@ class DeviceMirror:
         self._slots = [_Slot(self, cap, tcap, R, self._idx_on, bool(self._fills)) for _ in range(self.ring_depth)]
         if tcap and tcap < R * L:  # a step can add more token ids than a slot holds
             self._chunks = [_Chunk(self, tcap) for _ in range(OVERFLOW_CHUNKS)]
+            # their filler compiled (or loaded) now, not on the first step that needs it
+            tok_fill(self.table._ix_addr, self.table._tok_runs.ctypes.data, 0, 0, 0, 0, 0)
         self._dstate = self._dtok = None
         if ops.asynchronous:
             self._dstate = _DeviceArea(self, cap)
