@@ -399,6 +399,47 @@ def test_buffers_outlive_the_replays_that_read_them(drop):
 
 
 # ----------------------------------------------------------------------------
+# out of memory while building
+
+
+class _OutOfMemoryAt(DeferredOps):
+    """Device allocation number ``at`` (or any capture, with ``capture``)
+    fails as CUDA's allocator does."""
+
+    def __init__(self, at=None, capture=False):
+        super().__init__(torch)
+        self.at, self.capture_fails, self.allocations = at, capture, 0
+
+    def empty(self, n, dtype):
+        self.allocations += 1
+        if self.allocations == self.at:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        return super().empty(n, dtype)
+
+    def capture(self, work, pool=None):
+        if self.capture_fails:
+            raise torch.OutOfMemoryError("CUDA out of memory during graph capture")
+        return super().capture(work, pool)
+
+
+def test_out_of_memory_while_building_leaves_no_half_built_table():
+    """An allocation that fails: a StateError naming the sizes to lower, no
+    table. A capture that fails: the eager path, said in repr and
+    transfer_stats, and every step still correct."""
+    for at in (1, 2, 4):
+        with pytest.raises(StateError, match="staging_capacity"):
+            _engine(_OutOfMemoryAt(at=at))
+    ops = _OutOfMemoryAt(capture=True)
+    t, target, _ = _engine(ops)
+    stats = t.transfer_stats()
+    assert stats["path"] == "eager" and "out of memory" in stats["graph_error"] and "capture failed" in repr(t)
+    seeds = EngineSeeds()
+    for so in _sim(seed=10).run(30):
+        seeds.record(so, t.apply(so))
+    _assert_device_equals_host(t, target, seeds)
+
+
+# ----------------------------------------------------------------------------
 # targets
 
 
