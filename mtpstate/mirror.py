@@ -159,7 +159,7 @@ class _Slot(_Guarded):
     that says the slot's last replay has completed, and its graphs by
     (kind of step, bucket[, token bucket])."""
 
-    def __init__(self, mirror, capacity, tok_capacity, R, idx, rows):
+    def __init__(self, mirror, capacity, tok_capacity, R, idx, rows, inputs):
         torch = mirror._torch
         # one buffer each for positions and values: the elements, then the token area
         pos = mirror._pinned(META + capacity + (META + tok_capacity if tok_capacity else 0), torch.int64)
@@ -181,6 +181,20 @@ class _Slot(_Guarded):
         else:  # the host runs the work: the staged buffers are the device side
             self.didx, self.drows = self.idx, self.rows
         self.idx_views = {}  # n -> the device idx_mapping[:n] (made once per size)
+        # the step's inputs for the forward (T.BI_*), written there by the
+        # kernel: query_start_loc and cu_num_logits are shipped
+        self.inputs = self.inputs_np = self.dcu = None
+        if inputs:
+            S = R + 1
+            self.inputs = mirror._pinned(T.BI_ROWS * S, torch.int32)  # [BI_ROWS * (R + 1)]
+            self.inputs_np = self.inputs.numpy().reshape(T.BI_ROWS, S)
+            self.inputs_np[:] = 0
+            self.inputs_addr = self.inputs_np.ctypes.data
+            self.qsl = self.inputs[T.BI_QSL * S : (T.BI_QSL + 1) * S]
+            self.cu = self.inputs[T.BI_CU_LOGITS * S : (T.BI_CU_LOGITS + 1) * S]
+            # per slot: cu_num_logits must outlive the step (ring_depth steps)
+            self.dcu = mirror._device(S, torch.int32) if mirror.ops.asynchronous else self.cu
+            self.cu_views = {}  # n -> the device cu_num_logits[:n + 1] (made once per size)
 
 
 class _Chunk(_Guarded):
@@ -263,6 +277,13 @@ class DeviceMirror:
         Ship each step's batch ``idx_mapping`` (int64) in the same device
         work: :meth:`RequestTable.device_idx_mapping`. Needs the table's
         ``decode_query_len``.
+    query_start_loc_target : torch.Tensor, optional
+        An int32 tensor of ``max_num_reqs + 1`` on the mirror's device (vLLM's
+        ``InputBuffers.query_start_loc``): each step's batch
+        ``query_start_loc`` (padded with ``num_tokens``) is copied into it by
+        the step's device work, and its ``cu_num_logits`` into a device
+        buffer of the slot (:meth:`RequestTable.device_batch_inputs`).
+        Needs ``idx_mapping``.
     zero_rows_on_add : sequence of torch.Tensor, optional
         Engine tensors (first dimension ``max_num_reqs``, on the mirror's
         device) whose rows a step adds are zeroed by that step's device work
@@ -287,6 +308,7 @@ class DeviceMirror:
         engine_lengths: bool = False,
         token_ids_target=None,
         idx_mapping: bool = False,
+        query_start_loc_target=None,
         zero_rows_on_add=(),
         graphs: bool = True,
         ops=None,
@@ -332,6 +354,17 @@ class DeviceMirror:
         if idx_mapping and not table.decode_query_len:
             raise ValueError("idx_mapping=True needs the table's decode_query_len (the step's batch)")
         self._idx_on = bool(idx_mapping)
+        self._qsl_target = None
+        if query_start_loc_target is not None:
+            q = query_start_loc_target
+            if not self._idx_on:
+                raise ValueError("query_start_loc_target needs idx_mapping=True (the step's batch)")
+            if not isinstance(q, torch.Tensor) or q.dtype != torch.int32 or tuple(q.shape) != (R + 1,):
+                raise ValueError(f"query_start_loc_target must be an int32 tensor of shape ({R + 1},)")
+            if not q.is_contiguous():
+                raise ValueError("query_start_loc_target must be contiguous")
+            self._check_on_device("query_start_loc_target", q)
+            self._qsl_target = q
         self._fills = list(zero_rows_on_add or ())
         for z in self._fills:
             if not isinstance(z, torch.Tensor) or z.dim() < 1 or z.shape[0] != R:
@@ -509,7 +542,18 @@ class DeviceMirror:
         ops = self.ops
         R, L = self.table.max_num_reqs, self.table.max_model_len
         cap, tcap = self._cap, self._tcap
-        self._slots = [_Slot(self, cap, tcap, R, self._idx_on, bool(self._fills)) for _ in range(self.ring_depth)]
+        bin_on = self._qsl_target is not None
+        self._slots = [
+            _Slot(self, cap, tcap, R, self._idx_on, bool(self._fills), bin_on) for _ in range(self.ring_depth)
+        ]
+        self._local_pos_zeros = None
+        if bin_on:
+            for slot in self._slots:  # the kernel writes a step's inputs into its slot's buffer
+                self.table._b_inputs[slot.inputs_np.ctypes.data] = slot.inputs_np
+            self._qsl_target_np = None if ops.asynchronous else self._qsl_target.numpy()
+            self._local_pos_zeros = self._device(R, self._torch.int32)  # [R]: expanded_local_pos without drafts
+            self._local_pos_zeros.zero_()
+            self._zero_views = {}
         if tcap and tcap < R * L:  # a step can add more token ids than a slot holds
             self._chunks = [_Chunk(self, tcap) for _ in range(OVERFLOW_CHUNKS)]
             # their filler compiled (or loaded) now, not on the first step that needs it
@@ -624,12 +668,16 @@ class DeviceMirror:
         if kind == V_TOK:
             parts.append(self._scatter_work(slot.tokens, ti, self._dtok, self._tok_dst if tok is None else tok, None))
         fills = () if kind == V_PLAIN else self._fills if fills is None else fills
+        qsl = self._qsl_target if slot.inputs is not None else None
 
         def work():
             for part in parts:
                 part()
             if slot.idx is not None:
                 slot.didx.copy_(slot.idx, non_blocking=True)
+            if qsl is not None:
+                qsl.copy_(slot.qsl, non_blocking=True)
+                slot.dcu.copy_(slot.cu, non_blocking=True)
             if fills:
                 slot.drows.copy_(slot.rows, non_blocking=True)
                 for z in fills:
@@ -671,6 +719,8 @@ class DeviceMirror:
             cv = self.table._cv  # (the context as Python ints: cheaper than numpy scalars)
             cv[T.TB_STG_POS], cv[T.TB_STG_VAL], cv[T.TB_STG_CAP] = slot.state.addrs
             cv[T.TB_STG_ON] = 1
+            if slot.inputs is not None:
+                cv[T.TB_BIN] = slot.inputs_addr
         self.table._cv[T.TB_STG_N] = 0
 
     def abort_step(self):
@@ -728,6 +778,9 @@ class DeviceMirror:
         if nb >= 0:
             slot.idx_np[:nb] = t._b_idx[:nb]
             self._idx_slot, self._idx_n = slot, nb
+        elif slot.inputs is not None and self._idx_slot is not None:
+            # no batch (the array entry point): the target gets what it last got
+            slot.inputs_np[T.BI_QSL] = self._idx_slot.inputs_np[T.BI_QSL]
         if nn:
             nc = cv[T.TB_RES_NC]
             new = t._res[nc : nc + nn]
@@ -758,6 +811,8 @@ class DeviceMirror:
             else:  # the CPU (_slot_work's host branch, inline: the host path's every step)
                 st = slot.state
                 self._flat_np[st.pos_np[:n]] = st.val_np[:n]
+                if slot.inputs is not None:
+                    self._qsl_target_np[:] = slot.inputs_np[T.BI_QSL]
                 self._done = 1
                 if m or self._nn:
                     self._host_rest(slot, m, self._nn, 1)
@@ -783,6 +838,8 @@ class DeviceMirror:
             if start == 0:
                 st = slot.state
                 self._flat_np[st.pos_np[:n]] = st.val_np[:n]
+                if slot.inputs is not None:
+                    self._qsl_target_np[:] = slot.inputs_np[T.BI_QSL]
                 self._done = 1
             if m or nn:
                 self._host_rest(slot, m, nn, start)
@@ -815,6 +872,9 @@ class DeviceMirror:
             yield from self._eager_scatter(slot.tokens, m, self._dtok, self._tok_dst, None)
         if slot.idx is not None:
             yield lambda: ops.copy(slot.didx, slot.idx)
+        if slot.inputs is not None:
+            yield lambda: ops.copy(self._qsl_target, slot.qsl)
+            yield lambda: ops.copy(slot.dcu, slot.cu)
         if nn:
             yield lambda: ops.copy(slot.drows, slot.rows)
             for z in self._fills:
@@ -993,6 +1053,21 @@ class DeviceMirror:
             v = slot.idx_views[n] = slot.didx[:n]
         return v
 
+    def batch_inputs(self):
+        """The last shipped step's device inputs: (``query_start_loc`` (the
+        target, whole), ``cu_num_logits[:n + 1]``, int32 zeros ``[:n]``),
+        views made once per size."""
+        slot, n = self._idx_slot, self._idx_n
+        if slot is None:
+            raise StateError("no step has shipped a batch yet")
+        cu = slot.cu_views.get(n)
+        if cu is None:
+            cu = slot.cu_views[n] = slot.dcu[: n + 1]
+        z = self._zero_views.get(n)
+        if z is None:
+            z = self._zero_views[n] = self._local_pos_zeros[:n]
+        return self._qsl_target, cu, z
+
     def stage_arrays(self, staged):
         """Stage changes made outside the kernels (the array entry point,
         checked against the capacity before it wrote: ``check_staged``):
@@ -1088,14 +1163,17 @@ class DeviceMirror:
                 st, tk = self._slots[0].state, self._slots[0].tokens
                 m = min(n_tok, self._tcap)
                 rest = n_tok - m
-                nbytes = 8 * META + 12 * st.sizes[st.bucket(n)] + 8 * self.table.max_num_reqs * (idx + rows)
+                R = self.table.max_num_reqs
+                nbytes = 8 * META + 12 * st.sizes[st.bucket(n)] + 8 * R * (idx + rows)
+                binp = self._qsl_target is not None
+                nbytes += 8 * (R + 1) * binp  # query_start_loc and cu_num_logits
                 if m:
                     nbytes += 8 * META + 12 * tk.sizes[tk.bucket(m)]
                 if rest:  # full chunks, then the last one's bucket
                     last = rest - (chunks - 1) * self._tcap
                     nbytes += (chunks - 1) * (8 * META + 12 * self._tcap) + 8 * META + 12 * tk.sizes[tk.bucket(last)]
                 out["bytes"] = nbytes
-                out["copies"] = 2 + 2 * (m > 0) + idx + rows + 2 * chunks
+                out["copies"] = 2 + 2 * (m > 0) + idx + 2 * binp + rows + 2 * chunks
                 out["replays"] = (1 + chunks) if self.path == "graph" else 0
         out.update(
             {

@@ -115,6 +115,25 @@ class BatchReqState:
     decode_graph_eligible : bool
     max_query_len : int
         ``max(num_scheduled_tokens)``, 0 for an empty batch.
+    query_start_loc_np, cu_num_logits_np, seq_lens_cpu_upper_bound_np, num_computed_tokens_np : np.ndarray[int32]
+        The step's inputs for the forward, as vLLM's ``prepare_inputs``
+        computes them: ``query_start_loc_np`` has ``max_num_reqs + 1``
+        entries (0, the running sum of ``num_scheduled_tokens``, then
+        ``num_tokens``: padded as for a full CUDA graph; slice it to the
+        padded batch), ``cu_num_logits_np`` ``num_reqs + 1`` (0, the
+        running sum of drafts + ``sampled_tokens_per_step``),
+        ``seq_lens_cpu_upper_bound_np`` ``max_num_reqs`` (the rows'
+        ``num_computed_tokens`` + ``num_scheduled_tokens``, 0 past the
+        batch), ``num_computed_tokens_np`` ``num_reqs``. With a device
+        mirror that ships them they are views of its pinned staging slot,
+        valid for ``ring_depth`` steps.
+    num_logits, num_draft_tokens : int
+        The batch's logits (the last entry of ``cu_num_logits_np``) and
+        draft tokens.
+    logits_fit : bool
+        Every request is scheduled at least its drafts +
+        ``sampled_tokens_per_step`` tokens (vLLM's ``prepare_inputs``
+        asserts it when the step has drafts).
     """
 
     __slots__ = (
@@ -132,14 +151,18 @@ class BatchReqState:
         "max_seq_len_np",
         "is_prefilling_np",
         "_prefill_runs_as_decode",
+        "_inputs",
+        "_input_views",
     )
 
-    def __init__(self, ctx, b, idx, bb, holder):
+    def __init__(self, ctx, b, idx, bb, holder, inputs):
         self._ctx = ctx
         self._b = b  # [B_ROWS, max_num_reqs] int32
         self._idx = idx  # [max_num_reqs] intp
         self._bb = bb  # [BB_ROWS, max_num_reqs] bool
         self._holder = holder  # [the last batch's req_ids], put there by the kernel
+        self._inputs = inputs  # address -> [BI_ROWS, max_num_reqs + 1] int32: where the kernel may write the inputs
+        self._input_views = {}  # (address, n) -> the inputs' views (made once per buffer and size)
         self._resize(0)
 
     @property
@@ -182,6 +205,57 @@ class BatchReqState:
     @property
     def max_query_len(self) -> int:
         return self._ctx[T.TB_B_MAX_QUERY]
+
+    def _views(self):
+        key = (self._ctx[T.TB_BIN], self._n)
+        v = self._input_views.get(key)
+        if v is None:
+            a = self._inputs[key[0]]
+            n = self._n
+            R = a.shape[1] - 1
+            v = (a[T.BI_QSL], a[T.BI_CU_LOGITS, : n + 1], a[T.BI_SEQ_UB, :R], a[T.BI_NCT, :n])
+            if len(self._input_views) >= 4096:  # (bounded: one entry per buffer and batch size seen)
+                self._input_views.clear()
+            self._input_views[key] = v
+        return v
+
+    @property
+    def query_start_loc_np(self) -> np.ndarray:
+        return self._views()[0]
+
+    @property
+    def cu_num_logits_np(self) -> np.ndarray:
+        return self._views()[1]
+
+    @property
+    def seq_lens_cpu_upper_bound_np(self) -> np.ndarray:
+        return self._views()[2]
+
+    @property
+    def num_computed_tokens_np(self) -> np.ndarray:
+        return self._views()[3]
+
+    @property
+    def num_logits(self) -> int:
+        return self._ctx[T.TB_B_NUM_LOGITS]
+
+    @property
+    def num_draft_tokens(self) -> int:
+        return self._ctx[T.TB_B_NUM_DRAFTS]
+
+    @property
+    def logits_fit(self) -> bool:
+        return bool(self._ctx[T.TB_B_LOGITS_FIT])
+
+    INPUT_FIELDS = (
+        "query_start_loc_np",
+        "cu_num_logits_np",
+        "seq_lens_cpu_upper_bound_np",
+        "num_computed_tokens_np",
+        "num_logits",
+        "num_draft_tokens",
+        "logits_fit",
+    )
 
     FIELDS = (
         "req_ids",

@@ -73,6 +73,10 @@ class RequestTable:
         ``BatchReqState``) from ``num_scheduled_tokens`` and
         ``scheduled_spec_decode_tokens`` in the same kernel call. None
         (default): no batch, nothing extra paid.
+    sampled_tokens_per_step : int
+        Tokens sampled per request and step besides its drafts (vLLM's
+        ``model_state.num_new_sampled_tokens_per_step``, 1 for a plain
+        decoder): the batch's ``cu_num_logits_np`` counts drafts + this.
 
     Notes
     -----
@@ -98,6 +102,7 @@ class RequestTable:
         max_id_bytes: int = 65536,
         prefault: bool = True,
         decode_query_len: int | None = None,
+        sampled_tokens_per_step: int = 1,
         _hash_bits: int = 63,
     ):
         R = operator.index(max_num_reqs)
@@ -150,6 +155,13 @@ class RequestTable:
         self._b_idx = np.zeros(nb, np.intp)  # [max_num_reqs]: idx_mapping
         self._b_bool = np.zeros((T.BB_ROWS, nb), np.bool_)  # [BB_ROWS, max_num_reqs]
         self._b_obj = np.zeros((T.BO_ROWS, nb), np.int64)  # [BO_ROWS, max_num_reqs]
+        bonus = operator.index(sampled_tokens_per_step)
+        if bonus <= 0:
+            raise ValueError(f"sampled_tokens_per_step must be positive, got {bonus}")
+        self.sampled_tokens_per_step = bonus
+        # the step's inputs for the forward (BI_*), where no mirror ships them
+        self._b_in = np.zeros((T.BI_ROWS, R + 1 if nb else 0), np.int32)  # [BI_ROWS, max_num_reqs + 1]
+        self._b_inputs = {self._b_in.ctypes.data: self._b_in}  # every buffer the kernel may write them into
         self._mirror = None
         token_ids = None
         host_tokens = True
@@ -190,6 +202,8 @@ class RequestTable:
         c[T.TB_BATCH_BOOL] = self._b_bool.ctypes.data
         c[T.TB_BATCH_OBJ] = self._b_obj.ctypes.data
         c[T.TB_B_N] = -1
+        c[T.TB_BIN] = self._b_in.ctypes.data if nb else 0
+        c[T.TB_BONUS] = bonus
         self._b_holder = [[]]  # the kernel puts each step's req_ids list here
         c[T.TB_B_HOLDER] = id(self._b_holder)
         self._new_holder = [None]  # what the kernel read of the step's new requests, until the call returns
@@ -200,7 +214,7 @@ class RequestTable:
         cv = self._cv = memoryview(c)
         self._batch = None
         if decode_query_len:
-            self._batch = BatchReqState(cv, self._b, self._b_idx, self._b_bool, self._b_holder)
+            self._batch = BatchReqState(cv, self._b, self._b_idx, self._b_bool, self._b_holder, self._b_inputs)
         self._result = StepResult(self._res, cv, R, self._batch)
         # staging slots stay 0 (off, no buffer) unless a device mirror opens a step
         self._ix_addr = self._index._ctx_addr
@@ -534,6 +548,22 @@ class RequestTable:
         if not m._idx_on:
             raise StateError("this table's mirror does not ship idx_mapping (mirror_options={'idx_mapping': True})")
         return m.idx_mapping()
+
+    def device_batch_inputs(self):
+        """The last step's batch inputs on the mirror's device, shipped by the
+        step's own device work (mirror option ``query_start_loc_target``):
+        ``(query_start_loc, cu_num_logits, zeros)``: the target (all
+        ``max_num_reqs + 1`` entries, padded with ``num_tokens``),
+        ``cu_num_logits`` (``num_reqs + 1``, int32) and ``num_reqs`` int32
+        zeros (vLLM's ``expanded_local_pos`` without drafts; never write into
+        them). Valid for ``ring_depth`` steps; StateError without such a
+        mirror or before a step with a batch."""
+        m = self._device_mirror()
+        if m._qsl_target is None:
+            raise StateError(
+                "this table's mirror does not ship the batch's inputs (mirror_options={'query_start_loc_target': ...})"
+            )
+        return m.batch_inputs()
 
     def synchronize(self) -> None:
         """Wait until every launched copy has landed (a stale mirror is

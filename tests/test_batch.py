@@ -28,6 +28,8 @@ ARRAYS = (
     "prefill_runs_as_decode_np",
 )
 SCALARS = ("num_tokens", "has_prefill", "decode_graph_eligible", "max_query_len")
+INPUT_ARRAYS = ("query_start_loc_np", "cu_num_logits_np", "seq_lens_cpu_upper_bound_np", "num_computed_tokens_np")
+INPUT_SCALARS = ("num_logits", "num_draft_tokens", "logits_fit")
 
 
 def assert_batch_agrees(table, loop, got, want):
@@ -43,6 +45,13 @@ def assert_batch_agrees(table, loop, got, want):
             np.testing.assert_array_equal(a, b, err_msg=f)
     for f in SCALARS:
         assert getattr(got, f) == want[f], f
+    # prepare_inputs' host arrays (vLLM's numpy, mtpstate.tools.reference.vllm_prepare_inputs_host)
+    for f in INPUT_ARRAYS:
+        a, b = getattr(got, f), want[f]
+        assert a.dtype == b.dtype, f
+        np.testing.assert_array_equal(a, b, err_msg=f)
+    for f in INPUT_SCALARS:
+        assert getattr(got, f) == want[f], f
     # idx_mapping through each side's own rows
     assert got.idx_mapping_np.dtype == np.intp
     inv = {row: r for r, row in loop.req_id_to_index.items()}
@@ -50,10 +59,10 @@ def assert_batch_agrees(table, loop, got, want):
     assert [inv[int(r)] for r in want["idx_mapping_np"]] == want["req_ids"]
 
 
-def drive(steps, n, dql, fresh=False, warm=()):
+def drive(steps, n, dql, fresh=False, warm=(), bonus=1):
     kw = dict(max_num_reqs=n, max_model_len=16384, block_sizes=[16])
-    t = mtpstate.RequestTable(**kw, decode_query_len=dql)
-    loop = VllmLoopRequestTable(**kw, decode_query_len=dql)
+    t = mtpstate.RequestTable(**kw, decode_query_len=dql, sampled_tokens_per_step=bonus)
+    loop = VllmLoopRequestTable(**kw, decode_query_len=dql, sampled_tokens_per_step=bonus)
     for so in list(warm) + list(steps):
         if fresh:
             so = pickle.loads(pickle.dumps(so))
@@ -67,6 +76,20 @@ def drive(steps, n, dql, fresh=False, warm=()):
 def test_busy_vllm_shaped_steps(fresh):
     warm, timed = vllm_busy(64, steps=40, seed=3)
     drive(timed, 64, dql=4, fresh=fresh, warm=warm)
+
+
+@pytest.mark.parametrize("bonus", [2, 5])
+def test_inputs_with_more_sampled_tokens_per_step(bonus):
+    """cu_num_logits counts drafts + every sampled token; with 5 a step's
+    requests are not all scheduled their logits' tokens (logits_fit False)."""
+    warm, timed = vllm_busy(32, steps=30, seed=4)
+    t = drive(timed, 32, dql=4, warm=warm, bonus=bonus)
+    assert t.sampled_tokens_per_step == bonus
+
+
+def test_sampled_tokens_per_step_must_be_positive():
+    with pytest.raises(ValueError, match="sampled_tokens_per_step"):
+        mtpstate.RequestTable(max_num_reqs=4, max_model_len=64, decode_query_len=2, sampled_tokens_per_step=0)
 
 
 @pytest.mark.parametrize("fresh", [False, True])

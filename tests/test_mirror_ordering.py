@@ -549,3 +549,57 @@ def test_resync_failure_changes_nothing_and_retries():
     seeds.check(t, checker.target)
     for name in ("prefill_len", "prompt_len", "num_blocks"):
         np.testing.assert_array_equal(getattr(t.device_tensors, name).numpy(), getattr(t, name))
+
+
+@pytest.mark.parametrize("graphs", [True, False], ids=["graph", "eager"])
+def test_batch_inputs_shipped_with_the_step(graphs):
+    """query_start_loc (into the engine's tensor) and cu_num_logits ship in
+    the step's own device work, under random holds and stream moves: each
+    consumer read queued after a step sees that step's host arrays; nothing
+    extra is issued; without the host wait, reads disagree."""
+    for ops_cls in (DeferredOps, NoHostWait):
+        ops = ops_cls(torch, seed=31, graphs=graphs)
+        rng = random.Random(31)
+        qsl = torch.zeros(49, dtype=torch.int32)
+        t = RequestTable(
+            max_num_reqs=48,
+            max_model_len=512,
+            block_sizes=(16, 32),
+            device="cpu",
+            decode_query_len=DQL,
+            mirror_options={"ops": ops, "idx_mapping": True, "query_start_loc_target": qsl, "ring_depth": 2},
+        )
+        reads = []
+        issued = None
+        for so in _sim(48, 512, 31).run(120):
+            before = dict(ops.issued)
+            b = t.apply(so).batch
+            if issued is None and graphs:
+                issued = {k: v - before.get(k, 0) for k, v in ops.issued.items() if v != before.get(k, 0)}
+            want = (b.query_start_loc_np.copy(), b.cu_num_logits_np.copy())
+            q, cu, _ = t.device_batch_inputs()
+            got = []
+            ops.enqueue(lambda q=q, cu=cu, got=got: got.append((q.clone(), cu.clone())))
+            reads.append((want, got))
+            if rng.random() < 0.3:
+                ops.hold(ops.default)
+            ops.run_some()
+            ops.release(ops.default)
+        ops.synchronize()
+        bad = sum(
+            1
+            for (wq, wc), got in reads
+            if not np.array_equal(got[0][0].numpy(), wq) or not np.array_equal(got[0][1].numpy(), wc)
+        )
+        assert (bad == 0) == (ops_cls is DeferredOps), (ops_cls.__name__, bad)
+        if graphs and ops_cls is DeferredOps:
+            assert issued == {"replay": 1, "record": 1}, issued
+
+
+def test_batch_inputs_target_checked():
+    kw = dict(max_num_reqs=8, max_model_len=64, device="cpu", decode_query_len=2)
+    for bad in (torch.zeros(8, dtype=torch.int32), torch.zeros(9, dtype=torch.int64)):
+        with pytest.raises(ValueError, match="query_start_loc_target"):
+            RequestTable(**kw, mirror_options={"idx_mapping": True, "query_start_loc_target": bad})
+    with pytest.raises(ValueError, match="needs idx_mapping"):
+        RequestTable(**kw, mirror_options={"query_start_loc_target": torch.zeros(9, dtype=torch.int32)})

@@ -55,10 +55,15 @@ from mtpstate._kernels.slots import (
     B_ROW_STAMP,
     BB_PREFILLING,
     BB_RUNS_AS_DECODE,
+    BI_CU_LOGITS,
+    BI_NCT,
+    BI_QSL,
+    BI_SEQ_UB,
     BO_KEYS,
     BO_SORT,
     F_MAXSEQ,
     F_NCPT,
+    F_NCT,
     F_PREFILL,
     IX_DICT_OK,
     N_KEY,
@@ -68,18 +73,24 @@ from mtpstate._kernels.slots import (
     TB_B_HAS_DRAFTS,
     TB_B_HAS_PREFILL,
     TB_B_HOLDER,
+    TB_B_LOGITS_FIT,
     TB_B_MAX_QUERY,
     TB_B_N,
     TB_B_NEXT_N,
+    TB_B_NUM_DRAFTS,
+    TB_B_NUM_LOGITS,
     TB_B_NUM_TOKENS,
     TB_B_STAMP,
     TB_BATCH,
     TB_BATCH_BOOL,
     TB_BATCH_IDX,
     TB_BATCH_OBJ,
+    TB_BIN,
+    TB_BONUS,
     TB_DQL,
     TB_R,
     TB_SCR,
+    TB_STATE,
     _err,
 )
 from mtpstate._kernels.status import (
@@ -393,6 +404,50 @@ def _write_position(a_b, a_idx, a_bb, a_state, R, p, row, v, d):
     return prefilling, as_decode
 
 
+@jit(signature="void(int64[::1], int64, int64)")
+def _write_inputs(tb, R, n):
+    """The step's inputs for the forward, from the batch just written (what
+    vLLM's ``prepare_inputs`` computes on the host): ``query_start_loc``
+    padded with ``num_tokens`` to R + 1 entries (as for a full CUDA graph),
+    ``cu_num_logits``, ``seq_lens_cpu_upper_bound`` (0 past the batch) and
+    the rows' ``num_computed_tokens``; the totals, and whether every request
+    is scheduled its logits' tokens (vLLM asserts it)."""
+    a_in = tb[TB_BIN]
+    if a_in == 0:
+        return
+    a_b = tb[TB_BATCH]
+    a_idx = tb[TB_BATCH_IDX]
+    a_state = tb[TB_STATE]
+    bonus = tb[TB_BONUS]
+    S = R + 1  # row stride
+    q = np.int64(0)
+    cu = np.int64(0)
+    drafts = np.int64(0)
+    fit = 1
+    st32(a_in, BI_QSL * S, 0)
+    st32(a_in, BI_CU_LOGITS * S, 0)
+    for p in range(n):
+        v = ld32(a_b, B_NUM_SCHED * R + p)
+        d = ld32(a_b, B_DRAFTS * R + p)
+        nct = ld32(a_state, F_NCT * R + ld64(a_idx, p))
+        q += v
+        cu += d + bonus
+        drafts += d
+        if v < d + bonus:
+            fit = 0
+        st32(a_in, BI_QSL * S + p + 1, q)
+        st32(a_in, BI_CU_LOGITS * S + p + 1, cu)
+        st32(a_in, BI_SEQ_UB * S + p, nct + v)
+        st32(a_in, BI_NCT * S + p, nct)
+    for p in range(n + 1, S):
+        st32(a_in, BI_QSL * S + p, q)
+    for p in range(n, S):
+        st32(a_in, BI_SEQ_UB * S + p, 0)
+    tb[TB_B_NUM_LOGITS] = cu
+    tb[TB_B_NUM_DRAFTS] = drafts
+    tb[TB_B_LOGITS_FIT] = fit
+
+
 @jit(signature="void(int64[::1], int64, int64, int64, int64, int64, boolean)")
 def _publish(tb, R, n, has_prefill, graph_ok, max_query, in_order):
     """A new list of the batch's ids (``BO_KEYS`` through ``B_PERM``, or in
@@ -412,6 +467,7 @@ def _publish(tb, R, n, has_prefill, graph_ok, max_query, in_order):
         incref(k)
         st64(i_lst, p, k)
     list_set_item(tb[TB_B_HOLDER], 0, lst)  # steals lst
+    _write_inputs(tb, R, n)
     tb[TB_B_MAX_QUERY] = max_query
     tb[TB_B_HAS_PREFILL] = has_prefill
     tb[TB_B_GRAPH_OK] = graph_ok

@@ -86,7 +86,15 @@ TB_NEW_HOLDER = 51  # id of a 1-item list the kernel puts the step's holder list
 # at TB_STG_VAL + 4 * TB_STG_CAP
 TB_TOK_CAP = 52  # token elements a slot's token area holds
 TB_TOK_RUNS = 53  # addr int64[max_num_reqs, TR_STRIDE]: the step's token runs, one per new request
-TB_SIZE = 54
+# the step's inputs for the forward (prepare_inputs' host arrays), written
+# with the batch: into the open slot's pinned buffer when the device mirror
+# ships them, else into the table's own
+TB_BIN = 54  # addr int32[BI_ROWS, R + 1] (see BI_*)
+TB_BONUS = 55  # sampled tokens per request and step besides its drafts (vLLM: num_new_sampled_tokens_per_step)
+TB_B_NUM_LOGITS = 56  # the batch's logits: num_reqs * bonus + its drafts
+TB_B_NUM_DRAFTS = 57  # the batch's draft tokens
+TB_B_LOGITS_FIT = 58  # 1: every request is scheduled at least its drafts + bonus tokens
+TB_SIZE = 59
 STG_META = 2  # int64 header before an area's positions (the mirror's live-element count)
 
 # one token run: a new request's prefill token ids and where they go
@@ -184,6 +192,13 @@ BB_ROWS = 2
 BO_KEYS = 0  # key objects of num_scheduled_tokens, by dict position (the batch's req_ids)
 BO_SORT = 1  # sort keys (tokens << 32 | position) of the extend/prefill classes
 BO_ROWS = 2
+
+# rows of the step's inputs (TB_BIN), by batch position, each R + 1 long
+BI_QSL = 0  # query_start_loc: 0, then the running sum of num_scheduled_tokens; num_tokens past num_reqs
+BI_CU_LOGITS = 1  # cu_num_logits: 0, then the running sum of drafts + bonus
+BI_SEQ_UB = 2  # seq_lens_cpu_upper_bound: num_computed_tokens + num_scheduled_tokens; 0 past num_reqs
+BI_NCT = 3  # num_computed_tokens of the batch's rows
+BI_ROWS = 4
 
 # The step's inputs, one tuple the Python side builds (table.py) and holds
 # for the call: the kernel takes its address, so a launch costs one argument

@@ -284,6 +284,41 @@ def vllm_gather_batch(so, decode_query_len, req_id_to_index, prefill_len, num_co
     }
 
 
+def vllm_prepare_inputs_host(batch, num_computed_tokens, max_num_reqs, num_bonus_tokens=1):
+    """The host arrays vLLM 0.34's ``prepare_inputs`` computes for a batch
+    (model_runner.py; its general branch, which gives the same values as the
+    no-draft one; no request padding: ``seq_lens_cpu_upper_bound`` is
+    returned ``max_num_reqs`` long, zeros past the batch), as a dict of
+    :class:`mtpstate.BatchReqState`'s input fields."""
+    nst = batch["num_scheduled_tokens"]
+    idx = batch["idx_mapping_np"]
+    num_reqs = len(nst)
+    num_tokens = int(nst.sum())
+    drafts = batch["num_draft_tokens_np"]
+    if drafts is None:
+        drafts = np.zeros(num_reqs, dtype=np.int32)
+    num_logits = drafts + num_bonus_tokens
+    cu_num_logits_np = np.empty(num_reqs + 1, dtype=np.int32)
+    cu_num_logits_np[0] = 0
+    np.cumsum(num_logits, out=cu_num_logits_np[1:])
+    query_start_loc_np = np.empty(max_num_reqs + 1, dtype=np.int32)
+    query_start_loc_np[0] = 0
+    np.cumsum(nst, out=query_start_loc_np[1 : num_reqs + 1])
+    query_start_loc_np[num_reqs + 1 :] = num_tokens
+    num_computed_tokens_np = num_computed_tokens[idx]
+    seq_lens_cpu_upper_bound_np = np.zeros(max_num_reqs, dtype=np.int32)
+    np.add(num_computed_tokens_np, nst, out=seq_lens_cpu_upper_bound_np[:num_reqs])
+    return {
+        "query_start_loc_np": query_start_loc_np,
+        "cu_num_logits_np": cu_num_logits_np,
+        "seq_lens_cpu_upper_bound_np": seq_lens_cpu_upper_bound_np,
+        "num_computed_tokens_np": num_computed_tokens_np,
+        "num_logits": int(cu_num_logits_np[-1]),
+        "num_draft_tokens": int(drafts.sum()),
+        "logits_fit": bool((nst >= num_logits).all()),
+    }
+
+
 class VllmLoopRequestTable(LoopRequestTable):
     """What vLLM 0.34's Model Runner V2 host path does per step, as a loop:
     finish (sorted ids, a LIFO free list), add, update, then
@@ -295,9 +330,10 @@ class VllmLoopRequestTable(LoopRequestTable):
     lists and flushes them with a copy and a kernel: a little more work
     than this baseline does)."""
 
-    def __init__(self, *args, decode_query_len=1, **kwargs):
+    def __init__(self, *args, decode_query_len=1, sampled_tokens_per_step=1, **kwargs):
         super().__init__(*args, **kwargs)
         self.decode_query_len = decode_query_len
+        self.bonus = sampled_tokens_per_step
         self.free_rows = list(range(self.max_num_reqs - 1, -1, -1))  # LIFO: pop() gives row 0 first
 
     def _remove(self, req_id):
@@ -320,7 +356,7 @@ class VllmLoopRequestTable(LoopRequestTable):
         self.finish(sorted(fin | pre) if pre else sorted(fin))
         self.add(so.scheduled_new_reqs)
         self.update(so.scheduled_cached_reqs)
-        return vllm_gather_batch(
+        batch = vllm_gather_batch(
             so,
             self.decode_query_len,
             self.req_id_to_index,
@@ -328,3 +364,5 @@ class VllmLoopRequestTable(LoopRequestTable):
             self.num_computed_prefill_tokens,
             self.max_seq_len,
         )
+        batch.update(vllm_prepare_inputs_host(batch, self.num_computed_tokens, self.max_num_reqs, self.bonus))
+        return batch

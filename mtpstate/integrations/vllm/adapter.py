@@ -24,6 +24,7 @@ import operator
 
 import numpy as np
 
+from mtpstate._kernels.slots import TB_BIN as _TB_BIN
 from mtpstate.results import StepResult
 from mtpstate.table import RequestTable
 
@@ -176,6 +177,13 @@ class ModelRunnerV2State:
         # prepare_inputs and zeroes the new rows' draft tokens.
         dql = getattr(runner, "decode_query_len", None)
         spec = getattr(rs, "num_speculative_steps", 0) > 0
+        # prepare_inputs' query_start_loc (vLLM's persistent input buffer,
+        # which its CUDA graphs read) written by the same device work
+        qsl = getattr(getattr(runner, "input_buffers", None), "query_start_loc", None)
+        if qsl is not None and (dql is None or tuple(qsl.shape) != (rs.max_num_reqs + 1,)):
+            qsl = None
+        bonus = getattr(getattr(runner, "model_state", None), "num_new_sampled_tokens_per_step", 1)
+        bonus = bonus if isinstance(bonus, int) and bonus > 0 else 1
         self.table = RequestTable(
             max_num_reqs=rs.max_num_reqs,
             max_model_len=rs.max_model_len,
@@ -188,12 +196,17 @@ class ModelRunnerV2State:
                 "engine_lengths": True,
                 "token_ids_target": rs.all_token_ids.gpu,  # [max_num_reqs, max_model_len]
                 "idx_mapping": dql is not None,
+                "query_start_loc_target": qsl,
                 "zero_rows_on_add": (rs.draft_tokens,) if spec else (),  # [max_num_reqs, num_speculative_steps]
                 "ops": ops,
             },
             # the step's batch (gather_batch_req_state's BatchReqState) in the same call
             decode_query_len=dql,
+            sampled_tokens_per_step=bonus,
         )
+        self._inputs_on = qsl is not None
+        self._token_views = {}  # (tensor id, tokens, padded) -> vLLM's per-token input buffers' views
+        self._req_views = {}  # (inputs buffer, reqs, padded) -> the per-request views
         self._idx_np = None  # the idx_mapping_np gather_batch_req_state handed out last
         self._batch = None
         t = self.table
@@ -305,6 +318,48 @@ class ModelRunnerV2State:
         count = uniform_decode_token_count(len(b.req_ids), b.num_tokens, b.max_query_len, b.decode_graph_eligible)
         return state, count
 
+    def batch_inputs(self, batch_req_state, num_reqs_padded: int, num_tokens_padded: int, bonus, fast_prefill):
+        """``prepare_inputs``' inputs for the batch :meth:`apply` built
+        (:class:`StepInputs`): its host arrays computed by the step kernel,
+        its device tensors shipped by the step's own device work, every view
+        made once per size. None where vLLM's own code must compute them:
+        another batch (a dummy run's), fast prefill, or a number of sampled
+        tokens per step other than the table's."""
+        b = self._batch
+        if (
+            not self._inputs_on
+            or batch_req_state.idx_mapping_np is not self._idx_np
+            or fast_prefill is not None
+            or bonus != self.table.sampled_tokens_per_step
+        ):
+            return None
+        t = self.table
+        n, nt = len(b.req_ids), b.num_tokens
+        ib = self.runner.input_buffers
+        key = (nt, num_tokens_padded)
+        tv = self._token_views.get(key)
+        if tv is None:
+            pad = ib.is_padding[:num_tokens_padded]
+            tv = (ib.input_ids[:num_tokens_padded], ib.positions[:num_tokens_padded], pad, pad[:nt], pad[nt:])
+            self._token_views = _bounded(self._token_views)
+            self._token_views[key] = tv
+        qsl_t, cu_t, zeros = t.device_batch_inputs()
+        key = (t._cv[_TB_BIN], n, num_reqs_padded)
+        rv = self._req_views.get(key)
+        if rv is None:
+            qsl_np, seq_ub = b.query_start_loc_np, b.seq_lens_cpu_upper_bound_np
+            import torch
+
+            rv = (
+                qsl_np[: num_reqs_padded + 1],
+                qsl_t[: num_reqs_padded + 1],
+                ib.seq_lens[:num_reqs_padded],
+                torch.from_numpy(seq_ub[:num_reqs_padded]),
+            )
+            self._req_views = _bounded(self._req_views)
+            self._req_views[key] = rv
+        return StepInputs(b, tv, rv, t.device_idx_mapping(), qsl_t, cu_t, zeros)
+
     def idx_mapping(self, idx_mapping_np: np.ndarray):
         """``prepare_inputs``' ``idx_mapping``: the batch -> row mapping as an
         int64 tensor on the runner's device. For the array
@@ -317,6 +372,59 @@ class ModelRunnerV2State:
         if idx_mapping_np is self._idx_np:
             return self.table.device_idx_mapping()
         return self._idx_ring.upload(idx_mapping_np)
+
+
+def _bounded(views: dict) -> dict:
+    # one entry per size seen: bounded, in case sizes keep changing
+    return {} if len(views) >= 4096 else views
+
+
+class StepInputs:
+    """What the patched ``prepare_inputs`` takes from mtpstate for a step,
+    by the names of its locals: host arrays (``query_start_loc_np`` whole
+    and padded to the batch, ``cu_num_logits_np``,
+    ``num_computed_tokens_np``), device tensors (``idx_mapping``,
+    ``query_start_loc`` whole and padded, ``cu_num_logits``,
+    ``local_pos_zeros``: expanded_local_pos without drafts), the totals
+    (``num_logits``, ``num_draft_tokens``, ``logits_fit``) and views of
+    vLLM's input buffers (``input_ids``, ``positions``, ``is_padding`` and
+    its real / padded parts, ``seq_lens``, ``seq_lens_cpu_upper_bound``)."""
+
+    __slots__ = (
+        "query_start_loc_np",
+        "query_start_loc_np_padded",
+        "cu_num_logits_np",
+        "num_computed_tokens_np",
+        "idx_mapping",
+        "query_start_loc",
+        "query_start_loc_padded",
+        "cu_num_logits",
+        "local_pos_zeros",
+        "num_logits",
+        "num_draft_tokens",
+        "logits_fit",
+        "input_ids",
+        "positions",
+        "is_padding",
+        "is_padding_real",
+        "is_padding_pad",
+        "seq_lens",
+        "seq_lens_cpu_upper_bound",
+    )
+
+    def __init__(self, b, tv, rv, idx_mapping, qsl, cu, zeros):
+        self.input_ids, self.positions, self.is_padding, self.is_padding_real, self.is_padding_pad = tv
+        self.query_start_loc_np_padded, self.query_start_loc_padded, self.seq_lens, self.seq_lens_cpu_upper_bound = rv
+        self.query_start_loc_np = b.query_start_loc_np
+        self.cu_num_logits_np = b.cu_num_logits_np
+        self.num_computed_tokens_np = b.num_computed_tokens_np
+        self.num_logits = b.num_logits
+        self.num_draft_tokens = b.num_draft_tokens
+        self.logits_fit = b.logits_fit
+        self.idx_mapping = idx_mapping
+        self.query_start_loc = qsl
+        self.cu_num_logits = cu
+        self.local_pos_zeros = zeros
 
 
 class _Current:

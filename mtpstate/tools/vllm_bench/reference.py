@@ -131,19 +131,23 @@ class MRV2Reference:
         """vLLM's own ``gather_batch_req_state`` for the step just applied."""
         return self._runner.gather_batch_req_state(self, so, False)[0]
 
-    def inputs(self, so, batch):
+    def inputs(self, so, batch, padded: tuple[int, int] | None = None):
         """The runner's ``prepare_inputs`` for the gathered batch (eager, no
         request padding: ``cudagraph`` dispatch is the same on both sides and
-        is left out). Returns the InputBatch."""
+        is left out; ``padded``: (requests, tokens) of a full CUDA graph's
+        batch it is padded to instead). Returns the InputBatch."""
         from vllm.config.compilation import CUDAGraphMode
         from vllm.v1.worker.gpu.cudagraph_utils import BatchExecutionDescriptor
 
-        desc = BatchExecutionDescriptor(cg_mode=CUDAGraphMode.NONE, num_tokens=batch.num_tokens, num_reqs=None)
+        if padded is None:
+            desc = BatchExecutionDescriptor(cg_mode=CUDAGraphMode.NONE, num_tokens=batch.num_tokens, num_reqs=None)
+        else:
+            desc = BatchExecutionDescriptor(cg_mode=CUDAGraphMode.FULL, num_tokens=padded[1], num_reqs=padded[0])
         return self._runner.prepare_inputs(self, so, batch, desc, 0)
 
-    def prepare(self, so, batch):
+    def prepare(self, so, batch, padded=None):
         """``inputs`` and the runner's ``prepare_attn``. Returns the InputBatch."""
-        ib = self.inputs(so, batch)
+        ib = self.inputs(so, batch, padded)
         self._runner.prepare_attn(self, ib)
         return ib
 
