@@ -24,7 +24,7 @@ import operator
 
 import numpy as np
 
-from mtpstate._kernels.slots import TB_BIN as _TB_BIN
+from mtpstate._kernels import slots as _T
 from mtpstate.results import StepResult
 from mtpstate.table import RequestTable
 
@@ -207,6 +207,7 @@ class ModelRunnerV2State:
         self._inputs_on = qsl is not None
         self._token_views = {}  # (tensor id, tokens, padded) -> vLLM's per-token input buffers' views
         self._req_views = {}  # (inputs buffer, reqs, padded) -> the per-request views
+        self._padding_pattern = None  # is_padding's values for any num_tokens, as one view
         self._idx_np = None  # the idx_mapping_np gather_batch_req_state handed out last
         self._batch = None
         t = self.table
@@ -333,32 +334,53 @@ class ModelRunnerV2State:
             or bonus != self.table.sampled_tokens_per_step
         ):
             return None
-        t = self.table
-        n, nt = len(b.req_ids), b.num_tokens
-        ib = self.runner.input_buffers
+        cv = self.table._cv
+        n, nt = len(b.req_ids), cv[_T.TB_B_NUM_TOKENS]
+        # everything per request is a view fixed by (slot, size, padded size):
+        # made once, then only the step's totals and token views are set
+        key = (cv[_T.TB_BIN], n, num_reqs_padded)
+        si = self._req_views.get(key)
+        if si is None:
+            si = self._step_inputs(b, n, num_reqs_padded)
+            self._req_views = _bounded(self._req_views)
+            self._req_views[key] = si
         key = (nt, num_tokens_padded)
         tv = self._token_views.get(key)
         if tv is None:
+            ib = self.runner.input_buffers
             pad = ib.is_padding[:num_tokens_padded]
-            tv = (ib.input_ids[:num_tokens_padded], ib.positions[:num_tokens_padded], pad, pad[:nt], pad[nt:])
+            T = ib.is_padding.shape[0]
+            if self._padding_pattern is None:  # [2 * max_num_tokens]: False, then True
+                self._padding_pattern = ib.is_padding.new_ones(2 * T)
+                self._padding_pattern[:T] = False
+            pattern = self._padding_pattern[T - nt : T - nt + pad.shape[0]]
+            tv = (ib.input_ids[:num_tokens_padded], ib.positions[:num_tokens_padded], pad, pattern)
             self._token_views = _bounded(self._token_views)
             self._token_views[key] = tv
-        qsl_t, cu_t, zeros = t.device_batch_inputs()
-        key = (t._cv[_TB_BIN], n, num_reqs_padded)
-        rv = self._req_views.get(key)
-        if rv is None:
-            qsl_np, seq_ub = b.query_start_loc_np, b.seq_lens_cpu_upper_bound_np
-            import torch
+        si.input_ids, si.positions, si.is_padding, si.padding_pattern = tv
+        si.num_logits = cv[_T.TB_B_NUM_LOGITS]
+        si.num_draft_tokens = cv[_T.TB_B_NUM_DRAFTS]
+        si.logits_fit = cv[_T.TB_B_LOGITS_FIT] != 0
+        return si
 
-            rv = (
-                qsl_np[: num_reqs_padded + 1],
-                qsl_t[: num_reqs_padded + 1],
-                ib.seq_lens[:num_reqs_padded],
-                torch.from_numpy(seq_ub[:num_reqs_padded]),
-            )
-            self._req_views = _bounded(self._req_views)
-            self._req_views[key] = rv
-        return StepInputs(b, tv, rv, t.device_idx_mapping(), qsl_t, cu_t, zeros)
+    def _step_inputs(self, b, n, num_reqs_padded):
+        import torch
+
+        m = self.table._mirror
+        qsl_t, cu_t, zeros = m.batch_inputs()
+        si = StepInputs()
+        si.query_start_loc_np = qsl_np = b.query_start_loc_np
+        si.query_start_loc_np_padded = qsl_np[: num_reqs_padded + 1]
+        si.cu_num_logits_np = b.cu_num_logits_np
+        si.num_computed_tokens_np = b.num_computed_tokens_np
+        si.seq_lens_cpu_upper_bound = torch.from_numpy(b.seq_lens_cpu_upper_bound_np[:num_reqs_padded])
+        si.idx_mapping = m.idx_mapping()
+        si.query_start_loc = qsl_t
+        si.query_start_loc_padded = qsl_t[: num_reqs_padded + 1]
+        si.cu_num_logits = cu_t
+        si.local_pos_zeros = zeros
+        si.seq_lens = self.runner.input_buffers.seq_lens[:num_reqs_padded]
+        return si
 
     def idx_mapping(self, idx_mapping_np: np.ndarray):
         """``prepare_inputs``' ``idx_mapping``: the batch -> row mapping as an
@@ -387,8 +409,10 @@ class StepInputs:
     ``query_start_loc`` whole and padded, ``cu_num_logits``,
     ``local_pos_zeros``: expanded_local_pos without drafts), the totals
     (``num_logits``, ``num_draft_tokens``, ``logits_fit``) and views of
-    vLLM's input buffers (``input_ids``, ``positions``, ``is_padding`` and
-    its real / padded parts, ``seq_lens``, ``seq_lens_cpu_upper_bound``)."""
+    vLLM's input buffers (``input_ids``, ``positions``, ``is_padding``,
+    ``seq_lens``, ``seq_lens_cpu_upper_bound``); ``padding_pattern``: the
+    values of ``is_padding`` (``num_tokens`` False, then True), a view of a
+    constant device tensor, so that one copy writes them."""
 
     __slots__ = (
         "query_start_loc_np",
@@ -406,25 +430,10 @@ class StepInputs:
         "input_ids",
         "positions",
         "is_padding",
-        "is_padding_real",
-        "is_padding_pad",
+        "padding_pattern",
         "seq_lens",
         "seq_lens_cpu_upper_bound",
     )
-
-    def __init__(self, b, tv, rv, idx_mapping, qsl, cu, zeros):
-        self.input_ids, self.positions, self.is_padding, self.is_padding_real, self.is_padding_pad = tv
-        self.query_start_loc_np_padded, self.query_start_loc_padded, self.seq_lens, self.seq_lens_cpu_upper_bound = rv
-        self.query_start_loc_np = b.query_start_loc_np
-        self.cu_num_logits_np = b.cu_num_logits_np
-        self.num_computed_tokens_np = b.num_computed_tokens_np
-        self.num_logits = b.num_logits
-        self.num_draft_tokens = b.num_draft_tokens
-        self.logits_fit = b.logits_fit
-        self.idx_mapping = idx_mapping
-        self.query_start_loc = qsl
-        self.cu_num_logits = cu
-        self.local_pos_zeros = zeros
 
 
 class _Current:
