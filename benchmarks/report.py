@@ -147,6 +147,7 @@ def bookkeeping_table() -> str:
 
 
 RUNNER_ORDER = KINDS
+PHASES = ("finish", "add", "update", "gather", "prepare_inputs", "prepare_attn")  # mtpstate.tools.vllm_bench.bench
 
 
 def runner_table(results: list[dict] | None = None) -> str:
@@ -156,9 +157,10 @@ def runner_table(results: list[dict] | None = None) -> str:
         results = _load("bench-vllm-runner.json")[1]
     rows = [
         "| workload | max running | off (vLLM), us | on (mtpstate), us | speedup (paired median, p10-p90) "
-        "| off: update / gather / prepare, us | on: update / gather / prepare, us "
+        "| off: finish / add / update / gather / prepare_inputs / prepare_attn, us | on: the same, us "
+        "| input preparation (gather + prepare_inputs + prepare_attn): off vs on, us, paired median (p10-p90) "
         "| torch ops off | torch ops on | launches off | launches on |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     key = lambda r: (RUNNER_ORDER.index(r["workload"].split("-")[0]), _n(r["workload"]))  # noqa: E731
     for r in sorted(results, key=key):
@@ -168,7 +170,12 @@ def runner_table(results: list[dict] | None = None) -> str:
             f"**{r['speedup']:.2f}x** ({r['paired_median']:.2f}x, {r['paired_p10']:.2f}-{r['paired_p90']:.2f})"
         )
         for side in ("vllm", "mtpstate"):
-            cells.append(" / ".join(f"{ph[side][k]:.0f}" for k in ("update", "gather", "prepare")))
+            cells.append(" / ".join(f"{ph[side][k]:.0f}" for k in PHASES))
+        ip = r["input_preparation"]
+        cells.append(
+            f"{ip['vllm_median_us']:.0f} vs {ip['mtpstate_median_us']:.0f}: **{ip['paired_median']:.2f}x** "
+            f"({ip['paired_p10']:.2f}-{ip['paired_p90']:.2f})"
+        )
         for side in ("vllm", "mtpstate"):
             o = ops[side]
             cells.append(f"{_opt(o['without_new'])} / {_opt(o['with_new'])} (max {o['max']})")

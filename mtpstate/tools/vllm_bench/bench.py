@@ -181,22 +181,33 @@ def _bench(w, model_dir, repeats, device):
     }
 
 
-PHASES = ("update", "gather", "prepare")
+PHASES = ("finish", "add", "update", "gather", "prepare_inputs", "prepare_attn")
+INPUT_PHASES = ("gather", "prepare_inputs", "prepare_attn")  # input preparation
 
 
 def _timed_host_step(sub, so, out, sync):
-    """``MRV2Reference.host_step`` with a clock between its phases: finish ..
-    update_requests + apply_staged_writes; gather_batch_req_state;
-    prepare_inputs + prepare_attn. Appends the three durations to ``out``,
-    then ``sync()`` (untimed)."""
+    """``MRV2Reference.host_step`` with a clock between its phases (PHASES):
+    finish_requests + free_states; add_requests (mtpstate's whole apply
+    when on); update_requests + the block tables' apply_staged_writes;
+    gather_batch_req_state; prepare_inputs; prepare_attn. Appends the six
+    durations to ``out``, then ``sync()`` (untimed)."""
+    R = sub._runner
     t0 = time.perf_counter()
-    sub.apply(so)
+    R.finish_requests(sub, so)
+    R.free_states(sub, so)
     t1 = time.perf_counter()
-    batch = sub.gather(so)
+    R.add_requests(sub, so)
     t2 = time.perf_counter()
-    sub.prepare(so, batch)
+    R.update_requests(sub, so)
+    sub.block_tables.apply_staged_writes()
     t3 = time.perf_counter()
-    out.append((t1 - t0, t2 - t1, t3 - t2))
+    batch = sub.gather(so)
+    t4 = time.perf_counter()
+    ib = sub.inputs(so, batch)
+    t5 = time.perf_counter()
+    R.prepare_attn(sub, ib)
+    t6 = time.perf_counter()
+    out.append((t1 - t0, t2 - t1, t3 - t2, t4 - t3, t5 - t4, t6 - t5))
     sync()
 
 
@@ -251,7 +262,20 @@ def _bench_runner(w, model_dir, repeats, device):
             "vllm": {p: med(off[:, k]) for k, p in enumerate(PHASES)},
             "mtpstate": {p: med(on[:, k]) for k, p in enumerate(PHASES)},
         },
+        # gather + prepare_inputs + prepare_attn, per step: medians and the paired ratio
+        "input_preparation": _paired(off[:, 3:].sum(axis=1), on[:, 3:].sum(axis=1)),
         "torch_ops": ops,
+    }
+
+
+def _paired(off, on) -> dict:
+    r = off / on
+    return {
+        "vllm_median_us": float(np.median(off)) * 1e6,
+        "mtpstate_median_us": float(np.median(on)) * 1e6,
+        "paired_median": float(np.median(r)),
+        "paired_p10": float(np.percentile(r, 10)),
+        "paired_p90": float(np.percentile(r, 90)),
     }
 
 
