@@ -219,21 +219,11 @@ class BatchReqState:
             self._input_views[key] = v
         return v
 
-    @property
-    def query_start_loc_np(self) -> np.ndarray:
-        return self._views()[0]
-
-    @property
-    def cu_num_logits_np(self) -> np.ndarray:
-        return self._views()[1]
-
-    @property
-    def seq_lens_cpu_upper_bound_np(self) -> np.ndarray:
-        return self._views()[2]
-
-    @property
-    def num_computed_tokens_np(self) -> np.ndarray:
-        return self._views()[3]
+    # the inputs' views, in _views' order (see the class docstring)
+    query_start_loc_np = property(lambda self: self._views()[0])
+    cu_num_logits_np = property(lambda self: self._views()[1])
+    seq_lens_cpu_upper_bound_np = property(lambda self: self._views()[2])
+    num_computed_tokens_np = property(lambda self: self._views()[3])
 
     @property
     def num_logits(self) -> int:

@@ -205,7 +205,7 @@ class ModelRunnerV2State:
             sampled_tokens_per_step=bonus,
         )
         self._inputs_on = qsl is not None
-        self._token_views = {}  # (tensor id, tokens, padded) -> vLLM's per-token input buffers' views
+        self._token_views = {}  # (tokens, padded tokens) -> vLLM's per-token input buffers' views
         self._req_views = {}  # (inputs buffer, reqs, padded) -> the per-request views
         self._padding_pattern = None  # is_padding's values for any num_tokens, as one view
         self._idx_np = None  # the idx_mapping_np gather_batch_req_state handed out last

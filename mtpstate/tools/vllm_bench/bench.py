@@ -191,21 +191,18 @@ def _timed_host_step(sub, so, out, sync):
     when on); update_requests + the block tables' apply_staged_writes;
     gather_batch_req_state; prepare_inputs; prepare_attn. Appends the six
     durations to ``out``, then ``sync()`` (untimed)."""
-    R = sub._runner
     t0 = time.perf_counter()
-    R.finish_requests(sub, so)
-    R.free_states(sub, so)
+    sub.finish(so)
     t1 = time.perf_counter()
-    R.add_requests(sub, so)
+    sub.add(so)
     t2 = time.perf_counter()
-    R.update_requests(sub, so)
-    sub.block_tables.apply_staged_writes()
+    sub.update(so)
     t3 = time.perf_counter()
     batch = sub.gather(so)
     t4 = time.perf_counter()
     ib = sub.inputs(so, batch)
     t5 = time.perf_counter()
-    R.prepare_attn(sub, ib)
+    sub.attn(ib)
     t6 = time.perf_counter()
     out.append((t1 - t0, t2 - t1, t3 - t2, t4 - t3, t5 - t4, t6 - t5))
     sync()

@@ -117,11 +117,20 @@ class MRV2Reference:
                 self.mtpstate = ModelRunnerV2State(self, ring_depth=2, ops=ops)
 
     def apply(self, so) -> None:
-        R = self._runner
-        R.finish_requests(self, so)
-        R.free_states(self, so)
-        R.add_requests(self, so)
-        R.update_requests(self, so)
+        self.finish(so)
+        self.add(so)
+        self.update(so)
+
+    # apply's phases (the runner benchmark times them one by one)
+    def finish(self, so) -> None:
+        self._runner.finish_requests(self, so)
+        self._runner.free_states(self, so)
+
+    def add(self, so) -> None:
+        self._runner.add_requests(self, so)
+
+    def update(self, so) -> None:
+        self._runner.update_requests(self, so)
         self.block_tables.apply_staged_writes()
 
     def _remove_request(self, req_id):
@@ -148,8 +157,12 @@ class MRV2Reference:
     def prepare(self, so, batch, padded=None):
         """``inputs`` and the runner's ``prepare_attn``. Returns the InputBatch."""
         ib = self.inputs(so, batch, padded)
-        self._runner.prepare_attn(self, ib)
+        self.attn(ib)
         return ib
+
+    def attn(self, ib) -> None:
+        """The runner's ``prepare_attn`` for an InputBatch."""
+        self._runner.prepare_attn(self, ib)
 
     def host_step(self, so):
         """``execute_model``'s host part up to the forward: finish ..
