@@ -44,6 +44,7 @@ from mtpstate import devices
 from mtpstate._kernels import slots as T
 from mtpstate._kernels.tokens import tok_fill
 from mtpstate.errors import CapacityError, MirrorFaultError, StateError
+from mtpstate.results import input_views
 
 __all__ = ["DeviceMirror", "MIRRORED_FIELDS", "step_capacity"]
 
@@ -159,14 +160,17 @@ class _Slot(_Guarded):
     that says the slot's last replay has completed, and its graphs by
     (kind of step, bucket[, token bucket])."""
 
-    def __init__(self, mirror, capacity, tok_capacity, R, idx, rows, inputs):
+    def __init__(self, mirror, capacity, tok_capacity, R, idx, rows, inputs, num_logits=0):
         torch = mirror._torch
         # one buffer each for positions and values: the elements, then the token area
         pos = mirror._pinned(META + capacity + (META + tok_capacity if tok_capacity else 0), torch.int64)
         val = mirror._pinned(capacity + tok_capacity, torch.int32)
         self.state = _Area(mirror, capacity, pos[: META + capacity], val[:capacity])
         self.tokens = _Area(mirror, tok_capacity, pos[META + capacity :], val[capacity:]) if tok_capacity else None
-        self.idx = mirror._pinned(R, torch.int64) if idx else None  # [R]: the batch's idx_mapping
+        # [R + num_logits]: the batch's idx_mapping, then (with inputs) its
+        # expanded_idx_mapping, shipped together
+        E = num_logits if inputs else 0
+        self.idx = mirror._pinned(R + E, torch.int64) if idx else None
         self.rows = mirror._pinned(R, torch.int64) if rows else None  # [R]: new rows, padded
         for b in (self.idx, self.rows):
             if b is not None:
@@ -176,25 +180,30 @@ class _Slot(_Guarded):
         self.event = mirror.ops.new_event()
         self.graphs = {}  # key -> (graph, the captured work, which holds its tensors)
         if mirror.ops.asynchronous:  # per slot: idx_mapping must outlive the step (ring_depth steps)
-            self.didx = mirror._device(R, torch.int64) if idx else None
+            self.didx = mirror._device(R + E, torch.int64) if idx else None
             self.drows = mirror._device(R, torch.int64) if rows else None
         else:  # the host runs the work: the staged buffers are the device side
             self.didx, self.drows = self.idx, self.rows
         self.idx_views = {}  # n -> the device idx_mapping[:n] (made once per size)
-        # the step's inputs for the forward (T.BI_*), written there by the
-        # kernel: query_start_loc and cu_num_logits are shipped
+        # the step's inputs for the forward (T.BI_*, then expanded_local_pos),
+        # written there by the kernel: query_start_loc is shipped, and
+        # cu_num_logits with expanded_local_pos (one contiguous copy)
         self.inputs = self.inputs_np = self.dcu = None
         if inputs:
             S = R + 1
-            self.inputs = mirror._pinned(T.BI_ROWS * S, torch.int32)  # [BI_ROWS * (R + 1)]
-            self.inputs_np = self.inputs.numpy().reshape(T.BI_ROWS, S)
-            self.inputs_np[:] = 0
-            self.inputs_addr = self.inputs_np.ctypes.data
+            self.inputs = mirror._pinned(T.BI_ROWS * S + E, torch.int32)  # [BI_ROWS * (R + 1) + E]
+            flat = self.inputs.numpy()
+            flat[:] = 0
+            self.views = input_views(flat, self.idx.numpy()[R:], R)
+            self.inputs_np = self.views[0]  # [BI_ROWS, R + 1]
+            self.inputs_addr = flat.ctypes.data
+            self.exp_addr = self.idx.numpy()[R:].ctypes.data if E else 0
             self.qsl = self.inputs[T.BI_QSL * S : (T.BI_QSL + 1) * S]
-            self.cu = self.inputs[T.BI_CU_LOGITS * S : (T.BI_CU_LOGITS + 1) * S]
+            self.cu = self.inputs[T.BI_CU_LOGITS * S :]  # [S + E]: cu_num_logits, expanded_local_pos
             # per slot: cu_num_logits must outlive the step (ring_depth steps)
-            self.dcu = mirror._device(S, torch.int32) if mirror.ops.asynchronous else self.cu
+            self.dcu = mirror._device(S + E, torch.int32) if mirror.ops.asynchronous else self.cu
             self.cu_views = {}  # n -> the device cu_num_logits[:n + 1] (made once per size)
+            self.exp_views = {}  # num_logits -> (expanded_idx_mapping, expanded_local_pos) on the device
 
 
 class _Chunk(_Guarded):
@@ -543,13 +552,14 @@ class DeviceMirror:
         R, L = self.table.max_num_reqs, self.table.max_model_len
         cap, tcap = self._cap, self._tcap
         bin_on = self._qsl_target is not None
+        E = self.table._max_num_logits
         self._slots = [
-            _Slot(self, cap, tcap, R, self._idx_on, bool(self._fills), bin_on) for _ in range(self.ring_depth)
+            _Slot(self, cap, tcap, R, self._idx_on, bool(self._fills), bin_on, E) for _ in range(self.ring_depth)
         ]
         self._local_pos_zeros = None
         if bin_on:
-            for slot in self._slots:  # the kernel writes a step's inputs into its slot's buffer
-                self.table._b_inputs[slot.inputs_np.ctypes.data] = slot.inputs_np
+            for slot in self._slots:  # the kernel writes a step's inputs into its slot's buffers
+                self.table._b_inputs[slot.inputs_addr] = slot.views
             self._qsl_target_np = None if ops.asynchronous else self._qsl_target.numpy()
             self._local_pos_zeros = self._device(R, self._torch.int32)  # [R]: expanded_local_pos without drafts
             self._local_pos_zeros.zero_()
@@ -721,6 +731,7 @@ class DeviceMirror:
             cv[T.TB_STG_ON] = 1
             if slot.inputs is not None:
                 cv[T.TB_BIN] = slot.inputs_addr
+                cv[T.TB_BEXP] = slot.exp_addr
         self.table._cv[T.TB_STG_N] = 0
 
     def abort_step(self):
@@ -1068,6 +1079,24 @@ class DeviceMirror:
             z = self._zero_views[n] = self._local_pos_zeros[:n]
         return self._qsl_target, cu, z
 
+    def expanded_inputs(self):
+        """The last shipped step's ``(expanded_idx_mapping,
+        expanded_local_pos)`` on the device (``num_logits`` entries each),
+        views made once per size; None where the step kernel left them to
+        the engine (``BatchReqState.expanded_idx_mapping_np`` is None)."""
+        slot = self._idx_slot
+        if slot is None:
+            raise StateError("no step has shipped a batch yet")
+        cv = self.table._cv
+        if not cv[T.TB_B_EXP_OK]:
+            return None
+        m = cv[T.TB_B_NUM_LOGITS]
+        v = slot.exp_views.get(m)
+        if v is None:
+            R = self.table.max_num_reqs
+            v = slot.exp_views[m] = (slot.didx[R : R + m], slot.dcu[R + 1 : R + 1 + m])
+        return v
+
     def stage_arrays(self, staged):
         """Stage changes made outside the kernels (the array entry point,
         checked against the capacity before it wrote: ``check_staged``):
@@ -1166,7 +1195,8 @@ class DeviceMirror:
                 R = self.table.max_num_reqs
                 nbytes = 8 * META + 12 * st.sizes[st.bucket(n)] + 8 * R * (idx + rows)
                 binp = self._qsl_target is not None
-                nbytes += 8 * (R + 1) * binp  # query_start_loc and cu_num_logits
+                # query_start_loc and cu_num_logits, expanded_idx_mapping and expanded_local_pos
+                nbytes += (8 * (R + 1) + 12 * self.table._max_num_logits) * binp
                 if m:
                     nbytes += 8 * META + 12 * tk.sizes[tk.bucket(m)]
                 if rest:  # full chunks, then the last one's bucket

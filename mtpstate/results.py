@@ -127,6 +127,12 @@ class BatchReqState:
         batch), ``num_computed_tokens_np`` ``num_reqs``. With a device
         mirror that ships them they are views of its pinned staging slot,
         valid for ``ring_depth`` steps.
+    expanded_idx_mapping_np : np.ndarray[int64] or None
+    expanded_local_pos_np : np.ndarray[int32] or None
+        ``num_logits`` entries: each request's row, and 0..k-1, over its k
+        logits (vLLM's ``expand_idx_mapping``). None when a request has more
+        than ``decode_query_len`` logits (vLLM's kernel writes no more) or
+        the step more than the table's ``max_num_logits``.
     num_logits, num_draft_tokens : int
         The batch's logits (the last entry of ``cu_num_logits_np``) and
         draft tokens.
@@ -161,8 +167,8 @@ class BatchReqState:
         self._idx = idx  # [max_num_reqs] intp
         self._bb = bb  # [BB_ROWS, max_num_reqs] bool
         self._holder = holder  # [the last batch's req_ids], put there by the kernel
-        self._inputs = inputs  # address -> [BI_ROWS, max_num_reqs + 1] int32: where the kernel may write the inputs
-        self._input_views = {}  # (address, n) -> the inputs' views (made once per buffer and size)
+        self._inputs = inputs  # address -> input_views(): where the kernel may write the inputs
+        self._input_views = {}  # (address, n or -1 - num_logits) -> the inputs' views (made once per buffer and size)
         self._resize(0)
 
     @property
@@ -210,20 +216,34 @@ class BatchReqState:
         key = (self._ctx[T.TB_BIN], self._n)
         v = self._input_views.get(key)
         if v is None:
-            a = self._inputs[key[0]]
+            a = self._inputs[key[0]][0]
             n = self._n
             R = a.shape[1] - 1
             v = (a[T.BI_QSL], a[T.BI_CU_LOGITS, : n + 1], a[T.BI_SEQ_UB, :R], a[T.BI_NCT, :n])
-            if len(self._input_views) >= 4096:  # (bounded: one entry per buffer and batch size seen)
-                self._input_views.clear()
+            self._input_views = _bounded(self._input_views)
             self._input_views[key] = v
         return v
+
+    def _expanded(self, i):
+        if not self._ctx[T.TB_B_EXP_OK]:
+            return None
+        key = (self._ctx[T.TB_BIN], -1 - self._ctx[T.TB_B_NUM_LOGITS])
+        v = self._input_views.get(key)
+        if v is None:
+            _, pos, idx = self._inputs[key[0]]
+            m = self._ctx[T.TB_B_NUM_LOGITS]
+            v = (idx[:m], pos[:m])
+            self._input_views = _bounded(self._input_views)
+            self._input_views[key] = v
+        return v[i]
 
     # the inputs' views, in _views' order (see the class docstring)
     query_start_loc_np = property(lambda self: self._views()[0])
     cu_num_logits_np = property(lambda self: self._views()[1])
     seq_lens_cpu_upper_bound_np = property(lambda self: self._views()[2])
     num_computed_tokens_np = property(lambda self: self._views()[3])
+    expanded_idx_mapping_np = property(lambda self: self._expanded(0))
+    expanded_local_pos_np = property(lambda self: self._expanded(1))
 
     @property
     def num_logits(self) -> int:
@@ -242,6 +262,8 @@ class BatchReqState:
         "cu_num_logits_np",
         "seq_lens_cpu_upper_bound_np",
         "num_computed_tokens_np",
+        "expanded_idx_mapping_np",
+        "expanded_local_pos_np",
         "num_logits",
         "num_draft_tokens",
         "logits_fit",
@@ -288,3 +310,18 @@ class BatchReqState:
 
     def __repr__(self) -> str:
         return f"BatchReqState(num_reqs={self._n}, num_tokens={self.num_tokens}, req_ids={self.req_ids[:4]}...)"
+
+
+def input_views(buf: np.ndarray, expanded_idx: np.ndarray, R: int):
+    """The views of one buffer the step kernel writes the batch's inputs
+    into (``TB_BIN``, flat int32: the ``BI_*`` rows, then
+    ``expanded_local_pos``) and its ``expanded_idx_mapping`` (int64):
+    ``(rows [BI_ROWS, R + 1], expanded_local_pos, expanded_idx_mapping)``."""
+    S = R + 1
+    rows = buf[: T.BI_ROWS * S].reshape(T.BI_ROWS, S)
+    return rows, buf[T.BI_ROWS * S :], expanded_idx
+
+
+def _bounded(views: dict) -> dict:
+    # one entry per buffer and size seen: bounded, in case sizes keep changing
+    return {} if len(views) >= 4096 else views

@@ -24,7 +24,7 @@ from mtpstate._kernels.step import tb_apply
 from mtpstate.binding import _NEW_NAMES_ADDR, Step, bind, canonicalize, describe_new, new_from_held, read_cached
 from mtpstate.errors import InvalidStepError, StateError
 from mtpstate.index import RequestIndex
-from mtpstate.results import BatchReqState, StepResult
+from mtpstate.results import BatchReqState, StepResult, input_views
 from mtpstate.step_errors import raise_step_error
 
 __all__ = ["RequestTable"]
@@ -77,6 +77,12 @@ class RequestTable:
         Tokens sampled per request and step besides its drafts (vLLM's
         ``model_state.num_new_sampled_tokens_per_step``, 1 for a plain
         decoder): the batch's ``cu_num_logits_np`` counts drafts + this.
+    max_num_logits : int, optional
+        Logits a step's batch expands (``expanded_idx_mapping_np`` /
+        ``expanded_local_pos_np``, vLLM's ``expand_idx_mapping``) at most:
+        default ``max_num_reqs * decode_query_len``; the engine's token
+        budget bounds it too (a request's logits are among its scheduled
+        tokens). A step with more leaves them None.
 
     Notes
     -----
@@ -103,6 +109,7 @@ class RequestTable:
         prefault: bool = True,
         decode_query_len: int | None = None,
         sampled_tokens_per_step: int = 1,
+        max_num_logits: int | None = None,
         _hash_bits: int = 63,
     ):
         R = operator.index(max_num_reqs)
@@ -159,9 +166,19 @@ class RequestTable:
         if bonus <= 0:
             raise ValueError(f"sampled_tokens_per_step must be positive, got {bonus}")
         self.sampled_tokens_per_step = bonus
-        # the step's inputs for the forward (BI_*), where no mirror ships them
-        self._b_in = np.zeros((T.BI_ROWS, R + 1 if nb else 0), np.int32)  # [BI_ROWS, max_num_reqs + 1]
-        self._b_inputs = {self._b_in.ctypes.data: self._b_in}  # every buffer the kernel may write them into
+        if max_num_logits is None:
+            max_num_logits = R * (decode_query_len or 0)
+        max_num_logits = operator.index(max_num_logits)
+        if max_num_logits < 0:
+            raise ValueError(f"max_num_logits must be >= 0, got {max_num_logits}")
+        E = self._max_num_logits = max_num_logits if nb else 0
+        # the step's inputs for the forward (BI_*, then expanded_local_pos),
+        # and expanded_idx_mapping, where no mirror ships them
+        b_in = np.zeros(T.BI_ROWS * (R + 1) + E if nb else 0, np.int32)  # [BI_ROWS * (max_num_reqs + 1) + E]
+        self._b_exp = np.zeros(E, np.int64)  # [max_num_logits]
+        # every buffer the kernel may write them into: address -> its views
+        self._b_inputs = {b_in.ctypes.data: input_views(b_in, self._b_exp, R)} if nb else {}
+        self._b_in, self._b_in_addr = b_in, b_in.ctypes.data
         self._mirror = None
         token_ids = None
         host_tokens = True
@@ -202,7 +219,9 @@ class RequestTable:
         c[T.TB_BATCH_BOOL] = self._b_bool.ctypes.data
         c[T.TB_BATCH_OBJ] = self._b_obj.ctypes.data
         c[T.TB_B_N] = -1
-        c[T.TB_BIN] = self._b_in.ctypes.data if nb else 0
+        c[T.TB_BIN] = self._b_in_addr if nb else 0
+        c[T.TB_BEXP] = self._b_exp.ctypes.data if E else 0
+        c[T.TB_B_EXP_CAP] = E
         c[T.TB_BONUS] = bonus
         self._b_holder = [[]]  # the kernel puts each step's req_ids list here
         c[T.TB_B_HOLDER] = id(self._b_holder)
@@ -564,6 +583,16 @@ class RequestTable:
                 "this table's mirror does not ship the batch's inputs (mirror_options={'query_start_loc_target': ...})"
             )
         return m.batch_inputs()
+
+    def device_expanded_logits(self):
+        """The last step's ``(expanded_idx_mapping, expanded_local_pos)`` on
+        the mirror's device (int64 and int32, ``num_logits`` entries each:
+        the batch's ``expanded_idx_mapping_np`` / ``expanded_local_pos_np``),
+        shipped by the step's own device work with ``cu_num_logits``; None
+        when the batch has them None. Valid for ``ring_depth`` steps;
+        StateError as :meth:`device_batch_inputs`."""
+        self.device_batch_inputs()  # (the same checks)
+        return self._mirror.expanded_inputs()
 
     def synchronize(self) -> None:
         """Wait until every launched copy has landed (a stale mirror is

@@ -29,6 +29,7 @@ ARRAYS = (
 )
 SCALARS = ("num_tokens", "has_prefill", "decode_graph_eligible", "max_query_len")
 INPUT_ARRAYS = ("query_start_loc_np", "cu_num_logits_np", "seq_lens_cpu_upper_bound_np", "num_computed_tokens_np")
+EXPANDED = ("expanded_idx_mapping_np", "expanded_local_pos_np")  # rows / positions, None where left to vLLM
 INPUT_SCALARS = ("num_logits", "num_draft_tokens", "logits_fit")
 
 
@@ -57,6 +58,14 @@ def assert_batch_agrees(table, loop, got, want):
     inv = {row: r for r, row in loop.req_id_to_index.items()}
     assert [table.index.req_id(int(r)) for r in got.idx_mapping_np] == want["req_ids"]
     assert [inv[int(r)] for r in want["idx_mapping_np"]] == want["req_ids"]
+    # vLLM's expand_idx_mapping: the expanded rows through each side's own rows too
+    gi, gp = (getattr(got, f) for f in EXPANDED)
+    wi, wp = (want[f] for f in EXPANDED)
+    assert (gi is None, gp is None) == (wi is None, wi is None), (gi, wi)
+    if wi is not None:
+        assert gi.dtype == wi.dtype == np.int64 and gp.dtype == wp.dtype == np.int32
+        assert [table.index.req_id(int(r)) for r in gi] == [inv[int(r)] for r in wi]
+        np.testing.assert_array_equal(gp, wp)
 
 
 def drive(steps, n, dql, fresh=False, warm=(), bonus=1):
@@ -288,3 +297,26 @@ def test_split_table_dict_falls_back_to_pydict_next():
     res = t.apply(_decode_step(["a", "b"], nst, spec={"b": [1, 2, 3]}))
     assert res.batch.req_ids == ["b", "a"] and res.batch.num_scheduled_tokens.tolist() == [4, 1]
     assert split or sys.version_info < (3, 11)  # the case this test is about
+
+
+@pytest.mark.parametrize("cap", [0, 7, 64])
+def test_expanded_logits_within_capacity_only(cap):
+    """expand_idx_mapping's outputs are computed for a step whose logits fit
+    max_num_logits and whose requests each have at most decode_query_len
+    (vLLM's kernel writes no more); other steps have them None (left to
+    vLLM's kernel), and both kinds occur here."""
+    warm, timed = vllm_busy(32, steps=30, seed=5)
+    kw = dict(max_num_reqs=32, max_model_len=16384, block_sizes=[16], decode_query_len=4)
+    t = mtpstate.RequestTable(**kw, max_num_logits=cap)
+    loop = VllmLoopRequestTable(**kw, max_num_logits=cap)
+    seen = set()
+    for so in list(warm) + list(timed):
+        b = t.apply(so).batch
+        assert_batch_agrees(t, loop, b, loop.apply(so))
+        seen.add(b.expanded_idx_mapping_np is None)
+    assert seen == ({True} if cap == 0 else {True, False}), seen
+
+
+def test_max_num_logits_must_not_be_negative():
+    with pytest.raises(ValueError, match="max_num_logits"):
+        mtpstate.RequestTable(max_num_reqs=4, max_model_len=64, decode_query_len=2, max_num_logits=-1)

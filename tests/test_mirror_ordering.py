@@ -571,27 +571,31 @@ def test_batch_inputs_shipped_with_the_step(graphs):
         )
         reads = []
         issued = None
+        expanded = 0
         for so in _sim(48, 512, 31).run(120):
             before = dict(ops.issued)
             b = t.apply(so).batch
             if issued is None and graphs:
                 issued = {k: v - before.get(k, 0) for k, v in ops.issued.items() if v != before.get(k, 0)}
+            exp = b.expanded_idx_mapping_np is not None
             want = (b.query_start_loc_np.copy(), b.cu_num_logits_np.copy())
+            if exp:
+                want += (b.expanded_idx_mapping_np.copy(), b.expanded_local_pos_np.copy())
+                expanded += 1
             q, cu, _ = t.device_batch_inputs()
+            dev = (q, cu, *(t.device_expanded_logits() or ()))
+            assert len(dev) == len(want)
             got = []
-            ops.enqueue(lambda q=q, cu=cu, got=got: got.append((q.clone(), cu.clone())))
+            ops.enqueue(lambda dev=dev, got=got: got.append([x.clone() for x in dev]))
             reads.append((want, got))
             if rng.random() < 0.3:
                 ops.hold(ops.default)
             ops.run_some()
             ops.release(ops.default)
         ops.synchronize()
-        bad = sum(
-            1
-            for (wq, wc), got in reads
-            if not np.array_equal(got[0][0].numpy(), wq) or not np.array_equal(got[0][1].numpy(), wc)
-        )
+        bad = sum(1 for want, got in reads if not all(np.array_equal(g.numpy(), w) for g, w in zip(got[0], want)))
         assert (bad == 0) == (ops_cls is DeferredOps), (ops_cls.__name__, bad)
+        assert expanded > len(reads) // 2, expanded  # (most steps draft)
         if graphs and ops_cls is DeferredOps:
             assert issued == {"replay": 1, "record": 1}, issued
 

@@ -33,6 +33,12 @@ def helper():
     return 1
 """
 
+# a function whose results mtpstate computes in its place (plugin.COMPUTED)
+COMPUTED = """\
+def expand(rows, counts):
+    return [r for r, k in zip(rows, counts) for _ in range(k)]
+"""
+
 PATCH = """\
 --- a/vllm/v1/worker/gpu/model_runner.py
 +++ b/vllm/v1/worker/gpu/model_runner.py
@@ -66,8 +72,11 @@ def fake_vllm(tmp_path, monkeypatch):
         (d / "__init__.py").write_text("")
     (tmp_path / "vllm" / "version.py").write_text("__version__ = '9.9.9'\n")
     (gpu / "model_runner.py").write_text(RUNNER)
+    (gpu / "input_batch.py").write_text(COMPUTED)
     (fp,) = _source.fingerprints(RUNNER, [("GPUModelRunner", "add_requests")]).values()
     monkeypatch.setattr(plugin, "SUPPORTED", {"9.9.9": {"GPUModelRunner.add_requests": fp}})
+    computed = _source.function_fingerprints(COMPUTED, ["expand"])
+    monkeypatch.setattr(plugin, "COMPUTED", {"9.9.9": {"vllm.v1.worker.gpu.input_batch": computed}})
     monkeypatch.setattr(plugin, "_patch_text", lambda: PATCH)
     monkeypatch.syspath_prepend(str(tmp_path))
     for name in [m for m in sys.modules if m == "vllm" or m.startswith("vllm.")]:
@@ -180,6 +189,18 @@ def _assert_refused(m, caplog, needle):
 def test_drifted_method_changes_nothing(fake_vllm, monkeypatch, caplog):
     fake_vllm.write_text(RUNNER.replace("self.steps += 1", "self.steps += 1  # drift"))
     _assert_refused(_runner_module(), caplog, "GPUModelRunner.add_requests: differs")
+
+
+def test_drifted_computed_function_changes_nothing(fake_vllm, monkeypatch, caplog):
+    """A vLLM function whose results mtpstate computes (here its kernel
+    would write something else) refuses the patch as a changed method does."""
+    (fake_vllm.parent / "input_batch.py").write_text(COMPUTED.replace("range(k)", "range(k + 1)"))
+    _assert_refused(_runner_module(), caplog, "input_batch.expand: differs")
+
+
+def test_missing_computed_function_changes_nothing(fake_vllm, monkeypatch, caplog):
+    (fake_vllm.parent / "input_batch.py").write_text("")
+    _assert_refused(_runner_module(), caplog, "input_batch.expand: missing in the source")
 
 
 def test_unsupported_version_changes_nothing(fake_vllm, monkeypatch, caplog):

@@ -92,21 +92,31 @@ def diff_batches(ref, ref_ids_of_rows, got, got_ids_of_rows) -> list[str]:
 
 # InputBatch fields written on the device by prepare_inputs' Triton kernels
 # (no-ops on the CPU): their shape and dtype are compared, not their values
-KERNEL_WRITTEN = ("input_ids", "positions", "seq_lens", "logits_indices", "expanded_idx_mapping")
+KERNEL_WRITTEN = ("input_ids", "positions", "seq_lens", "logits_indices")
+# expand_idx_mapping's outputs with drafts: vLLM's kernel is a no-op here, so
+# mtpstate's (which computes them) are compared with that kernel as a loop
+EXPANDED = ("expanded_idx_mapping", "expanded_local_pos")
 ROW_FIELDS = ("idx_mapping", "idx_mapping_np")  # rows: compared through each side's own id map
 
 
-def diff_inputs(ref, ref_ids_of_rows, got, got_ids_of_rows) -> list[str]:
+def diff_inputs(ref, ref_ids_of_rows, got, got_ids_of_rows, decode_query_len=1) -> list[str]:
     """Disagreements between two ``InputBatch``es of ``prepare_inputs``,
     field by field (every dataclass field): arrays and tensors by dtype,
     shape and values (rows through each side's own id map; what only the
-    no-op'd Triton kernels write, by dtype and shape), the rest by ``==``."""
+    no-op'd Triton kernels write, by dtype and shape; with drafts, ``got``'s
+    expanded arrays against vLLM's ``expand_idx_mapping`` as a loop over
+    ``ref``'s inputs), the rest by ``==``."""
     import dataclasses
 
     import torch
 
+    from mtpstate.tools.reference import vllm_expand_idx_mapping
+
     out = []
     drafted = ref.num_draft_tokens_per_req is not None
+    if drafted:
+        want = vllm_expand_idx_mapping(ref.idx_mapping.cpu().numpy(), ref.cu_num_logits.cpu().numpy(), decode_query_len)
+        want = dict(zip(EXPANDED, want)) if (want[1] >= 0).all() else {}  # (-1: left unwritten by vLLM)
     for fld in dataclasses.fields(ref):
         f = fld.name
         a, b = getattr(ref, f), getattr(got, f)
@@ -117,11 +127,13 @@ def diff_inputs(ref, ref_ids_of_rows, got, got_ids_of_rows) -> list[str]:
             if type(a) is not type(b) or a.dtype != b.dtype or tuple(a.shape) != tuple(b.shape):
                 out.append(f"input_batch.{f}: vLLM {type(a).__name__} {a.dtype} {tuple(a.shape)} vs {b!r:.80}")
                 continue
-            if f in KERNEL_WRITTEN or (f == "expanded_local_pos" and drafted):
+            if f in KERNEL_WRITTEN or (f in EXPANDED and drafted and f not in want):
                 continue
             va, vb = np.asarray(a.cpu() if isinstance(a, torch.Tensor) else a), None
             vb = np.asarray(b.cpu() if isinstance(b, torch.Tensor) else b)
-            if f in ROW_FIELDS:
+            if f in EXPANDED and drafted:
+                va = want[f]
+            if f in ROW_FIELDS or f == "expanded_idx_mapping":
                 same = ref_ids_of_rows(va.tolist()) == got_ids_of_rows(vb.tolist())
             else:
                 same = np.array_equal(va, vb)
@@ -243,7 +255,9 @@ def run_runner_differential(w: Workload, model_dir: str, deferred: bool = False)
         # every other step padded as for a full CUDA graph (requests and tokens)
         n = len(vb.req_ids)
         pad = None if res["steps"] % 2 else (min(n + 3, ref.max_num_reqs), vb.num_tokens + 5)
-        bad += diff_inputs(ref.prepare(so, vb, pad), ids_ref, patched.prepare(so2, pb, pad), ids_pat)
+        bad += diff_inputs(
+            ref.prepare(so, vb, pad), ids_ref, patched.prepare(so2, pb, pad), ids_pat, ref.decode_query_len
+        )
         res["steps"] += 1
         if bad:
             res["disagreements"] += 1

@@ -29,7 +29,7 @@ from differential import run_runner_differential, run_workload
 from sabotage import SABOTAGE, sabotage
 
 from mtpstate.tools.vllm_bench.bench import breakdown_workload, run_machine
-from mtpstate.tools.vllm_bench.reference import load_plugin
+from mtpstate.tools.vllm_bench.reference import cache_envs, load_plugin
 from mtpstate.tools.vllm_bench.shims import install_cpu_shims
 from mtpstate.tools.vllm_bench.workloads import BENCH_WORKLOADS, WORKLOADS, write_model_dir
 
@@ -74,6 +74,8 @@ def main(argv=None) -> int:
     install_cpu_shims()
     if args.runner or args.breakdown:
         load_plugin()  # through vLLM's own plugin loader, as every vLLM process
+    if args.breakdown:
+        cache_envs()  # timed as a serving vLLM runs, once started
     if args.sabotage:
         sabotage(args.sabotage)
     model_dir = write_model_dir()

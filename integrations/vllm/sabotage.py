@@ -27,9 +27,22 @@ def _drop_length_rows(mirror, slot, n, n_tok):
     slot.state.pos_np[:n][lengths] = slots.F_MAXSEQ * R  # (a row vLLM does not read)
 
 
+def _zero_expanded_positions(mirror, slot, n, n_tok):
+    from mtpstate._kernels import slots
+
+    cv = mirror.table._cv
+    if slot.inputs is not None and cv[slots.TB_B_EXP_OK]:
+        slot.views[1][: cv[slots.TB_B_NUM_LOGITS]] = 0  # expanded_local_pos
+
+
 # negative controls of the patched differential: each corrupts one kind of
 # element the mirror ships, just before the copy
-SABOTAGE = {"tokens": _zero_token_values, "engine-lengths": _zero_engine_lengths, "lengths": _drop_length_rows}
+SABOTAGE = {
+    "tokens": _zero_token_values,
+    "engine-lengths": _zero_engine_lengths,
+    "lengths": _drop_length_rows,
+    "expanded": _zero_expanded_positions,
+}
 
 
 def sabotage(kind: str) -> None:

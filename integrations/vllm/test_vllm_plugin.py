@@ -55,6 +55,9 @@ def test_guard_passes_on_the_release(runner_module):
     assert v.ok and not v.applied, v.problems
     assert v.vllm_version == "0.34.0"
     assert set(v.methods) == set(plugin.SUPPORTED["0.34.0"]) and all(m == "ok" for m in v.methods.values())
+    # the functions mtpstate computes in vLLM's place are the release's
+    want = {f"{mod.rsplit('.', 1)[1]}.{f}" for mod, fs in plugin.COMPUTED["0.34.0"].items() for f in fs}
+    assert want and v.computed == dict.fromkeys(want, "ok"), v.computed
 
 
 @pytest.mark.skipif(not PATCHED, reason="run through `make test-vllm` (it applies the patch)")
@@ -190,6 +193,7 @@ def test_vllm_check(env, rc, needle):
     assert p.returncode == rc and "Traceback" not in p.stderr, p.stdout + p.stderr[-2000:]
     assert needle in p.stdout and "vLLM: 0.34.0, supported" in p.stdout
     assert p.stdout.count("guard: GPUModelRunner.") == len(plugin.SUPPORTED["0.34.0"])
+    assert p.stdout.count("guard (computed by mtpstate): input_batch.") == 2
     p = subprocess.run([sys.executable, "-m", "mtpstate", "vllm-check", "--json"], capture_output=True, env=full)
     assert p.returncode == rc and json.loads(p.stdout)["would_apply"] is (rc == 0)
 

@@ -58,6 +58,7 @@ from mtpstate._kernels.slots import (
     BI_CU_LOGITS,
     BI_NCT,
     BI_QSL,
+    BI_ROWS,
     BI_SEQ_UB,
     BO_KEYS,
     BO_SORT,
@@ -69,6 +70,8 @@ from mtpstate._kernels.slots import (
     N_KEY,
     NEW_STRIDE,
     S_FREE,
+    TB_B_EXP_CAP,
+    TB_B_EXP_OK,
     TB_B_GRAPH_OK,
     TB_B_HAS_DRAFTS,
     TB_B_HAS_PREFILL,
@@ -85,6 +88,7 @@ from mtpstate._kernels.slots import (
     TB_BATCH_BOOL,
     TB_BATCH_IDX,
     TB_BATCH_OBJ,
+    TB_BEXP,
     TB_BIN,
     TB_BONUS,
     TB_DQL,
@@ -404,6 +408,34 @@ def _write_position(a_b, a_idx, a_bb, a_state, R, p, row, v, d):
     return prefilling, as_decode
 
 
+@jit(signature="int64(int64[::1], int64, int64, int64, int64)")
+def _write_expanded(tb, R, n, a_pos, num_logits):
+    """vLLM's ``expand_idx_mapping`` over the batch: for batch position p
+    with k = drafts + bonus logits, k entries of its row (``TB_BEXP``,
+    int64) and 0..k-1 (``a_pos``, int32), at cu_num_logits[p]. vLLM's kernel
+    writes at most next_power_of_2(decode_query_len) entries a request, so
+    a request with more than decode_query_len, or more logits than the
+    arrays hold, leaves them to vLLM's kernel: returns 0 (nothing used)."""
+    a_exp = tb[TB_BEXP]
+    if a_exp == 0 or num_logits > tb[TB_B_EXP_CAP]:
+        return 0
+    a_b = tb[TB_BATCH]
+    a_idx = tb[TB_BATCH_IDX]
+    bonus = tb[TB_BONUS]
+    dql = tb[TB_DQL]
+    c = np.int64(0)
+    for p in range(n):
+        k = ld32(a_b, B_DRAFTS * R + p) + bonus
+        if k > dql:
+            return 0
+        row = ld64(a_idx, p)
+        for j in range(k):
+            st64(a_exp, c + j, row)
+            st32(a_pos, c + j, j)
+        c += k
+    return 1
+
+
 @jit(signature="void(int64[::1], int64, int64)")
 def _write_inputs(tb, R, n):
     """The step's inputs for the forward, from the batch just written (what
@@ -411,7 +443,8 @@ def _write_inputs(tb, R, n):
     padded with ``num_tokens`` to R + 1 entries (as for a full CUDA graph),
     ``cu_num_logits``, ``seq_lens_cpu_upper_bound`` (0 past the batch) and
     the rows' ``num_computed_tokens``; the totals, and whether every request
-    is scheduled its logits' tokens (vLLM asserts it)."""
+    is scheduled its logits' tokens (vLLM asserts it). Then the logits
+    expanded (``_write_expanded``)."""
     a_in = tb[TB_BIN]
     if a_in == 0:
         return
@@ -446,6 +479,7 @@ def _write_inputs(tb, R, n):
     tb[TB_B_NUM_LOGITS] = cu
     tb[TB_B_NUM_DRAFTS] = drafts
     tb[TB_B_LOGITS_FIT] = fit
+    tb[TB_B_EXP_OK] = _write_expanded(tb, R, n, a_in + 4 * BI_ROWS * S, cu)
 
 
 @jit(signature="void(int64[::1], int64, int64, int64, int64, int64, boolean)")

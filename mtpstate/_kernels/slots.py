@@ -94,7 +94,12 @@ TB_BONUS = 55  # sampled tokens per request and step besides its drafts (vLLM: n
 TB_B_NUM_LOGITS = 56  # the batch's logits: num_reqs * bonus + its drafts
 TB_B_NUM_DRAFTS = 57  # the batch's draft tokens
 TB_B_LOGITS_FIT = 58  # 1: every request is scheduled at least its drafts + bonus tokens
-TB_SIZE = 59
+# the batch's logits expanded (vLLM's expand_idx_mapping): each request's row
+# and 0..k-1 over its k = drafts + bonus logits, written with the inputs
+TB_BEXP = 59  # addr int64[TB_B_EXP_CAP]: expanded_idx_mapping (the int32 expanded_local_pos follows the BI_* rows)
+TB_B_EXP_CAP = 60  # logits the expanded arrays hold; 0: not written
+TB_B_EXP_OK = 61  # 1: written (every request's k <= decode_query_len, and they fit)
+TB_SIZE = 62
 STG_META = 2  # int64 header before an area's positions (the mirror's live-element count)
 
 # one token run: a new request's prefill token ids and where they go
@@ -193,11 +198,13 @@ BO_KEYS = 0  # key objects of num_scheduled_tokens, by dict position (the batch'
 BO_SORT = 1  # sort keys (tokens << 32 | position) of the extend/prefill classes
 BO_ROWS = 2
 
-# rows of the step's inputs (TB_BIN), by batch position, each R + 1 long
+# rows of the step's inputs (TB_BIN), by batch position, each R + 1 long;
+# then TB_B_EXP_CAP int32 of expanded_local_pos. cu_num_logits is the last
+# row, so that it and expanded_local_pos ship as one contiguous copy
 BI_QSL = 0  # query_start_loc: 0, then the running sum of num_scheduled_tokens; num_tokens past num_reqs
-BI_CU_LOGITS = 1  # cu_num_logits: 0, then the running sum of drafts + bonus
-BI_SEQ_UB = 2  # seq_lens_cpu_upper_bound: num_computed_tokens + num_scheduled_tokens; 0 past num_reqs
-BI_NCT = 3  # num_computed_tokens of the batch's rows
+BI_SEQ_UB = 1  # seq_lens_cpu_upper_bound: num_computed_tokens + num_scheduled_tokens; 0 past num_reqs
+BI_NCT = 2  # num_computed_tokens of the batch's rows
+BI_CU_LOGITS = 3  # cu_num_logits: 0, then the running sum of drafts + bonus
 BI_ROWS = 4
 
 # The step's inputs, one tuple the Python side builds (table.py) and holds

@@ -29,12 +29,15 @@ CPU_SHIMS = (
     "Triton kernels of prepare_inputs / prepare_attn: counted no-ops",
     "the mirror's device step (one graph replay): a counted no-op",
 )
-CPU_NOTE = "device launches are no-ops on the CPU: each side's figure is its host work up to the launches"
+# both sides: vllm.envs cached, as a serving vLLM process caches it once started
+ENVS_NOTE = "vllm.envs cached (enable_envs_cache), as in a serving process"
+
+CPU_NOTE = f"device launches are no-ops on the CPU: each side's figure is its host work up to the launches; {ENVS_NOTE}"
 
 
 CUDA_NOTE = (
     "launches, copies and the mirror's device work run on the GPU; the device is drained after each side's step, "
-    "untimed"
+    f"untimed; {ENVS_NOTE}"
 )
 
 
@@ -132,7 +135,7 @@ def run(
         result with its ``level``: what ``--json`` writes.
     """
     from mtpstate.tools.vllm_bench.bench import bench_workload, run_machine
-    from mtpstate.tools.vllm_bench.reference import load_plugin
+    from mtpstate.tools.vllm_bench.reference import cache_envs, load_plugin
     from mtpstate.tools.vllm_bench.workloads import BENCH_KINDS, BENCH_SIZES, sized_workload, write_model_dir
 
     kinds = tuple(kinds or BENCH_KINDS)
@@ -141,6 +144,7 @@ def run(
     if shims is None:
         shims = prepare(device)
     load_plugin()  # through vLLM's own plugin loader, as every vLLM process with VLLM_USE_MTPSTATE=1
+    cache_envs()  # as a serving vLLM does once started
     model_dir = write_model_dir()
     results = []
     for level in levels:

@@ -523,6 +523,8 @@ def _cmd_vllm_check(args) -> int:
                 print(f"VLLM_PLUGINS: {f['vllm_plugins_filter']!r}")
             for name, verdict in f["methods"].items():
                 print(f"guard: {name}: {verdict}")
+            for name, verdict in f.get("computed", {}).items():
+                print(f"guard (computed by mtpstate): {name}: {verdict}")
             print(f"{plugin.ENV_VAR} now: {f[plugin.ENV_VAR] or 'unset'}")
         if f["would_apply"]:
             print(

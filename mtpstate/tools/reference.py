@@ -284,12 +284,35 @@ def vllm_gather_batch(so, decode_query_len, req_id_to_index, prefill_len, num_co
     }
 
 
-def vllm_prepare_inputs_host(batch, num_computed_tokens, max_num_reqs, num_bonus_tokens=1):
+def vllm_expand_idx_mapping(idx_mapping, cu_num_logits, max_expand_len):
+    """vLLM 0.34's ``expand_idx_mapping`` (input_batch.py, its Triton kernel
+    as a loop): per request, ``next_power_of_2(max_expand_len)`` entries at
+    most of its row and 0, 1, ... at ``cu_num_logits[i]``; what the kernel
+    leaves unwritten is -1 here (uninitialized memory in vLLM)."""
+    m = int(cu_num_logits[-1])
+    block = 1 << max(int(max_expand_len) - 1, 0).bit_length()  # triton.next_power_of_2
+    exp_idx = np.full(m, -1, np.int64)
+    exp_pos = np.full(m, -1, np.int32)
+    for i, row in enumerate(idx_mapping):
+        start, k = int(cu_num_logits[i]), int(cu_num_logits[i + 1] - cu_num_logits[i])
+        for j in range(min(k, block)):
+            exp_idx[start + j] = row
+            exp_pos[start + j] = j
+    return exp_idx, exp_pos
+
+
+def vllm_prepare_inputs_host(
+    batch, num_computed_tokens, max_num_reqs, num_bonus_tokens=1, decode_query_len=1, max_num_logits=None
+):
     """The host arrays vLLM 0.34's ``prepare_inputs`` computes for a batch
     (model_runner.py; its general branch, which gives the same values as the
     no-draft one; no request padding: ``seq_lens_cpu_upper_bound`` is
     returned ``max_num_reqs`` long, zeros past the batch), as a dict of
-    :class:`mtpstate.BatchReqState`'s input fields."""
+    :class:`mtpstate.BatchReqState`'s input fields. The expanded arrays are
+    what ``expand_idx_mapping`` writes, where mtpstate computes them: every
+    request has at most ``decode_query_len`` logits and the step at most
+    ``max_num_logits`` (default ``max_num_reqs * decode_query_len``); else
+    None."""
     nst = batch["num_scheduled_tokens"]
     idx = batch["idx_mapping_np"]
     num_reqs = len(nst)
@@ -308,9 +331,16 @@ def vllm_prepare_inputs_host(batch, num_computed_tokens, max_num_reqs, num_bonus
     num_computed_tokens_np = num_computed_tokens[idx]
     seq_lens_cpu_upper_bound_np = np.zeros(max_num_reqs, dtype=np.int32)
     np.add(num_computed_tokens_np, nst, out=seq_lens_cpu_upper_bound_np[:num_reqs])
+    if max_num_logits is None:
+        max_num_logits = max_num_reqs * decode_query_len
+    exp_idx = exp_pos = None
+    if (num_logits <= decode_query_len).all() and cu_num_logits_np[-1] <= max_num_logits:
+        exp_idx, exp_pos = vllm_expand_idx_mapping(idx, cu_num_logits_np, decode_query_len)
     return {
         "query_start_loc_np": query_start_loc_np,
         "cu_num_logits_np": cu_num_logits_np,
+        "expanded_idx_mapping_np": exp_idx,
+        "expanded_local_pos_np": exp_pos,
         "seq_lens_cpu_upper_bound_np": seq_lens_cpu_upper_bound_np,
         "num_computed_tokens_np": num_computed_tokens_np,
         "num_logits": int(cu_num_logits_np[-1]),
@@ -330,10 +360,11 @@ class VllmLoopRequestTable(LoopRequestTable):
     lists and flushes them with a copy and a kernel: a little more work
     than this baseline does)."""
 
-    def __init__(self, *args, decode_query_len=1, sampled_tokens_per_step=1, **kwargs):
+    def __init__(self, *args, decode_query_len=1, sampled_tokens_per_step=1, max_num_logits=None, **kwargs):
         super().__init__(*args, **kwargs)
         self.decode_query_len = decode_query_len
         self.bonus = sampled_tokens_per_step
+        self.max_num_logits = max_num_logits
         self.free_rows = list(range(self.max_num_reqs - 1, -1, -1))  # LIFO: pop() gives row 0 first
 
     def _remove(self, req_id):
@@ -364,5 +395,14 @@ class VllmLoopRequestTable(LoopRequestTable):
             self.num_computed_prefill_tokens,
             self.max_seq_len,
         )
-        batch.update(vllm_prepare_inputs_host(batch, self.num_computed_tokens, self.max_num_reqs, self.bonus))
+        batch.update(
+            vllm_prepare_inputs_host(
+                batch,
+                self.num_computed_tokens,
+                self.max_num_reqs,
+                self.bonus,
+                self.decode_query_len,
+                self.max_num_logits,
+            )
+        )
         return batch

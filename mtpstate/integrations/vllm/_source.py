@@ -169,6 +169,14 @@ def fingerprints(text: str, keys) -> dict[tuple[str, str], str | None]:
     return out
 
 
+def function_fingerprints(text: str, names) -> dict[str, str | None]:
+    """The fingerprint of each top-level function of ``names`` in the module
+    source ``text`` (None: no such function)."""
+    lines = text.split("\n")
+    defs = {n.name: n for n in ast.parse(text).body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))}
+    return {name: fingerprint(_segment(lines, defs[name])) if name in defs else None for name in names}
+
+
 def plan(module: str, text: str, hunks: list[tuple[int, list[str]]]) -> SourceChange:
     """What ``hunks`` change in ``text`` (the source of ``module``), checked
     to be applicable to the live module (see the module docstring)."""

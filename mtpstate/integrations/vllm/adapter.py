@@ -184,6 +184,12 @@ class ModelRunnerV2State:
             qsl = None
         bonus = getattr(getattr(runner, "model_state", None), "num_new_sampled_tokens_per_step", 1)
         bonus = bonus if isinstance(bonus, int) and bonus > 0 else 1
+        # expand_idx_mapping's outputs, expanded with the batch: a step's
+        # logits are among its tokens, so the token budget bounds them too
+        max_logits = rs.max_num_reqs * (dql or 0)
+        budget = getattr(runner, "max_num_tokens", None)
+        if isinstance(budget, int) and 0 < budget < max_logits:
+            max_logits = budget
         self.table = RequestTable(
             max_num_reqs=rs.max_num_reqs,
             max_model_len=rs.max_model_len,
@@ -203,11 +209,13 @@ class ModelRunnerV2State:
             # the step's batch (gather_batch_req_state's BatchReqState) in the same call
             decode_query_len=dql,
             sampled_tokens_per_step=bonus,
+            max_num_logits=max_logits,
         )
         self._inputs_on = qsl is not None
-        self._token_views = {}  # (tokens, padded tokens) -> vLLM's per-token input buffers' views
+        self._token_views = {}  # padded tokens -> vLLM's per-token input buffers' views
         self._req_views = {}  # (inputs buffer, reqs, padded) -> the per-request views
         self._padding_pattern = None  # is_padding's values for any num_tokens, as one view
+        self._padding_views = {}  # (tokens, padded tokens) -> its views
         self._idx_np = None  # the idx_mapping_np gather_batch_req_state handed out last
         self._batch = None
         t = self.table
@@ -344,24 +352,39 @@ class ModelRunnerV2State:
             si = self._step_inputs(b, n, num_reqs_padded)
             self._req_views = _bounded(self._req_views)
             self._req_views[key] = si
-        key = (nt, num_tokens_padded)
-        tv = self._token_views.get(key)
+        tv = self._token_views.get(num_tokens_padded)
         if tv is None:
             ib = self.runner.input_buffers
-            pad = ib.is_padding[:num_tokens_padded]
+            p = num_tokens_padded
+            tv = (ib.input_ids[:p], ib.positions[:p], ib.is_padding[:p])
+            self._token_views = _bounded(self._token_views)
+            self._token_views[p] = tv
+        si.input_ids, si.positions, si.is_padding = tv
+        si.num_tokens = nt
+        si.num_logits = cv[_T.TB_B_NUM_LOGITS]
+        si.num_draft_tokens = cv[_T.TB_B_NUM_DRAFTS]
+        si.logits_fit = cv[_T.TB_B_LOGITS_FIT] != 0
+        # (vLLM expands only a step with drafts)
+        si.expanded = self.table._mirror.expanded_inputs() if cv[_T.TB_B_HAS_DRAFTS] else None
+        return si
+
+    def padding_values(self, num_tokens: int, num_tokens_padded: int):
+        """The values of ``is_padding[:num_tokens_padded]`` (``num_tokens``
+        False, then True) as a view of a constant device tensor, so that one
+        copy writes them (vLLM: two fills), for ``VLLM_MOE_SKIP_PADDING``."""
+        key = (num_tokens, num_tokens_padded)
+        v = self._padding_views.get(key)
+        if v is None:
+            ib = self.runner.input_buffers
             T = ib.is_padding.shape[0]
             if self._padding_pattern is None:  # [2 * max_num_tokens]: False, then True
                 self._padding_pattern = ib.is_padding.new_ones(2 * T)
                 self._padding_pattern[:T] = False
-            pattern = self._padding_pattern[T - nt : T - nt + pad.shape[0]]
-            tv = (ib.input_ids[:num_tokens_padded], ib.positions[:num_tokens_padded], pad, pattern)
-            self._token_views = _bounded(self._token_views)
-            self._token_views[key] = tv
-        si.input_ids, si.positions, si.is_padding, si.padding_pattern = tv
-        si.num_logits = cv[_T.TB_B_NUM_LOGITS]
-        si.num_draft_tokens = cv[_T.TB_B_NUM_DRAFTS]
-        si.logits_fit = cv[_T.TB_B_LOGITS_FIT] != 0
-        return si
+            # (is_padding[:num_tokens_padded] holds at most T)
+            v = self._padding_pattern[T - num_tokens : T - num_tokens + min(num_tokens_padded, T)]
+            self._padding_views = _bounded(self._padding_views)
+            self._padding_views[key] = v
+        return v
 
     def _step_inputs(self, b, n, num_reqs_padded):
         import torch
@@ -407,12 +430,12 @@ class StepInputs:
     and padded to the batch, ``cu_num_logits_np``,
     ``num_computed_tokens_np``), device tensors (``idx_mapping``,
     ``query_start_loc`` whole and padded, ``cu_num_logits``,
-    ``local_pos_zeros``: expanded_local_pos without drafts), the totals
+    ``local_pos_zeros``: expanded_local_pos without drafts; ``expanded``:
+    ``(expanded_idx_mapping, expanded_local_pos)`` of a step with drafts,
+    None where vLLM's ``expand_idx_mapping`` must compute them), the totals
     (``num_logits``, ``num_draft_tokens``, ``logits_fit``) and views of
     vLLM's input buffers (``input_ids``, ``positions``, ``is_padding``,
-    ``seq_lens``, ``seq_lens_cpu_upper_bound``); ``padding_pattern``: the
-    values of ``is_padding`` (``num_tokens`` False, then True), a view of a
-    constant device tensor, so that one copy writes them."""
+    ``seq_lens``, ``seq_lens_cpu_upper_bound``) and ``num_tokens``."""
 
     __slots__ = (
         "query_start_loc_np",
@@ -424,13 +447,14 @@ class StepInputs:
         "query_start_loc_padded",
         "cu_num_logits",
         "local_pos_zeros",
+        "expanded",
         "num_logits",
         "num_draft_tokens",
         "logits_fit",
         "input_ids",
         "positions",
         "is_padding",
-        "padding_pattern",
+        "num_tokens",
         "seq_lens",
         "seq_lens_cpu_upper_bound",
     )

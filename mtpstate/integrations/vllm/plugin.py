@@ -10,9 +10,11 @@ set on the class. Without the variable it does nothing.
 The guard: before anything is changed, the installed vLLM must be a
 supported version, every method the patch changes must be the very
 definition the patch was written against (a fingerprint of its source) and
-still the live one (not replaced by someone else), and the patch must apply
-exactly. On any mismatch nothing at all is changed: one WARNING names what
-differs, and vLLM runs as if mtpstate were absent.
+still the live one (not replaced by someone else), every vLLM function
+whose results mtpstate computes in its place (``COMPUTED``) must be the one
+mtpstate was written against, and the patch must apply exactly. On any
+mismatch nothing at all is changed: one WARNING names what differs, and
+vLLM runs as if mtpstate were absent.
 
 Nothing here imports vLLM at import time. :func:`register` imports no
 vLLM either: the runner's module is patched when it is first imported (a
@@ -34,7 +36,7 @@ from importlib import resources
 
 from mtpstate.integrations.vllm import _source
 
-__all__ = ["ENV_VAR", "SUPPORTED", "Verdict", "apply", "check", "enabled", "register"]
+__all__ = ["COMPUTED", "ENV_VAR", "SUPPORTED", "Verdict", "apply", "check", "enabled", "register"]
 
 ENV_VAR = "VLLM_USE_MTPSTATE"
 RUNNER_MODULE = "vllm.v1.worker.gpu.model_runner"
@@ -51,6 +53,19 @@ SUPPORTED: dict[str, dict[str, str]] = {
         "GPUModelRunner.update_requests": "c00d9f68aa56f3f8",
         "GPUModelRunner.gather_batch_req_state": "7cdfd392a83f5d45",
         "GPUModelRunner.prepare_inputs": "b6bf942b2ea1af3d",
+    },
+}
+
+# per release, the vLLM functions whose results mtpstate computes in their
+# place (the patched runner calls them only where mtpstate does not):
+# module -> function -> fingerprint of its source. A changed one refuses the
+# patch as a changed method does.
+COMPUTED: dict[str, dict[str, dict[str, str]]] = {
+    "0.34.0": {
+        "vllm.v1.worker.gpu.input_batch": {
+            "expand_idx_mapping": "3ecf689a9f7c8516",
+            "_expand_idx_mapping_kernel": "d86019216156350d",
+        },
     },
 }
 
@@ -72,12 +87,15 @@ class Verdict:
 
     ``ok``: the patch can be applied (or already is: ``applied``).
     ``methods``: per changed method, ``"ok"`` or what differs.
+    ``computed``: the same for each vLLM function whose results mtpstate
+    computes in its place (``module.function``).
     ``problems``: every reason it cannot be applied, one line each.
     """
 
     vllm_version: str | None = None
     supported_versions: tuple[str, ...] = tuple(SUPPORTED)
     methods: dict[str, str] = field(default_factory=dict)
+    computed: dict[str, str] = field(default_factory=dict)
     problems: list[str] = field(default_factory=list)
     applied: bool = False
     change: _source.SourceChange | None = field(default=None, repr=False)
@@ -166,12 +184,40 @@ def check(module=None) -> Verdict:
             changed = {f"{c}.{m}" for c, m in v.change.originals}
             if changed != set(expected):
                 v.problems.append(f"the patch changes {sorted(changed)}, the guard knows {sorted(expected)}")
-    bad = {k: m for k, m in v.methods.items() if not m.startswith("ok")}
+    for mod, names in COMPUTED.get(release, COMPUTED[max(COMPUTED)]).items():
+        _check_computed(v, release, mod, names)
+    bad = {k: m for k, m in (*v.methods.items(), *v.computed.items()) if not m.startswith("ok")}
     for k, m in bad.items():
         v.problems.append(f"{k}: {m}")
     if v.applied and bad:
         v.problems.append("partly applied by another copy of mtpstate")
     return v
+
+
+def _module_source(name: str) -> str:
+    """The source text of vLLM module ``name`` (imported if it is not yet)."""
+    module = sys.modules.get(name) or importlib.import_module(name)
+    with open(module.__file__, encoding="utf-8") as f:
+        return f.read()
+
+
+def _check_computed(v: Verdict, release: str, mod: str, names: dict[str, str]) -> None:
+    short = mod.rsplit(".", 1)[-1]
+    try:
+        found = _source.function_fingerprints(_module_source(mod), names)
+    except Exception as e:  # noqa: BLE001  (reported as a problem, never raised)
+        for name in names:
+            v.computed[f"{short}.{name}"] = f"its source cannot be read ({type(e).__name__}: {e})"
+        return
+    for name, want in names.items():
+        fp = found[name]
+        if fp is None:
+            got = "missing in the source"
+        elif fp != want:
+            got = f"differs from vLLM {release}'s (fingerprint {fp}, expected {want}); mtpstate computes its results"
+        else:
+            got = "ok"
+        v.computed[f"{short}.{name}"] = got
 
 
 def _defined_in(fn, path: str) -> bool:
@@ -300,6 +346,7 @@ def report() -> dict:
         vllm=v.vllm_version, supported=v.vllm_version is not None and v.vllm_version.split("+")[0] in SUPPORTED
     )
     facts["methods"] = v.methods
+    facts["computed"] = v.computed
     reasons = list(v.problems)
     if not eps:
         reasons.append("mtpstate's entry point is not visible to vLLM (install mtpstate into vLLM's environment)")

@@ -45,6 +45,20 @@ def load_plugin() -> None:
         raise RuntimeError(f"mtpstate's vLLM plugin did not apply: {v.problems or 'entry point not loaded'}")
 
 
+def cache_envs() -> None:
+    """What a serving vLLM process does once it has started (its engine
+    core and each multiprocess worker call ``vllm.envs.enable_envs_cache()``):
+    ``envs.X`` is read from the environment once, not by ``os.getenv`` on
+    every access. The benchmarks call it so that a timed step pays what a
+    serving step pays (``prepare_inputs`` reads ``envs.VLLM_MOE_SKIP_PADDING``
+    every step, on both sides). Lasts for the process."""
+    import vllm.envs
+
+    enable = getattr(vllm.envs, "enable_envs_cache", None)
+    if enable is not None:
+        enable()
+
+
 def vllm_methods(cls):
     """vLLM's own methods of the runner class (the originals where the
     plugin patched them), as a namespace to call with a runner object."""
@@ -101,6 +115,7 @@ class MRV2Reference:
         self.model_config = SimpleNamespace(rswa_window=None)
         # what gather_batch_req_state reads besides the request state
         self.decode_query_len = num_spec + 1
+        self.max_num_tokens = max_num_batched_tokens
         self.use_pp = False
         self.adaptive_verification = None
         self.pcp_manager = None
