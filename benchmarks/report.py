@@ -362,8 +362,18 @@ def serving_table(name: str, how: str) -> str:
     return "\n".join(lines)
 
 
+def cli_example() -> str:
+    """README: what ``mtpstate bench-vllm`` prints for one row (busy-16 of
+    the committed runner run), through the command's own formatter."""
+    from mtpstate.tools.bench_vllm import table_header, table_row
+
+    by = {r["workload"]: r for r in _load("bench-vllm-runner.json")[1]}
+    return "```\n" + table_header() + "\n" + table_row(by["busy-16"]) + "\n```"
+
+
 REGIONS = {
     "headline": headline,
+    "cli-example": cli_example,
     "kernel": kernel_tables,
     "bookkeeping": bookkeeping_table,
     "runner-summary": runner_summary,
