@@ -1053,6 +1053,24 @@ class DeviceMirror:
         queued, until a call issues the rest."""
         return self._fault is not None and self._fault.stale
 
+    def presize_views(self) -> None:
+        """Make now the device views :meth:`idx_mapping` and
+        :meth:`batch_inputs` hand out, for every batch size and slot, so that
+        no step pays for making one (an engine whose batch size changes every
+        step would otherwise make several per step until it has seen every
+        size)."""
+        R = self.table.max_num_reqs
+        for slot in self._slots:
+            if slot.didx is not None:
+                for n in range(R + 1):
+                    slot.idx_views.setdefault(n, slot.didx[:n])
+            if slot.dcu is not None:
+                for n in range(R + 1):
+                    slot.cu_views.setdefault(n, slot.dcu[: n + 1])
+        if self._local_pos_zeros is not None:
+            for n in range(R + 1):
+                self._zero_views.setdefault(n, self._local_pos_zeros[:n])
+
     def idx_mapping(self):
         """The last shipped step's batch ``idx_mapping`` on the device (int64,
         one view per size, made once)."""

@@ -212,6 +212,21 @@ class BatchReqState:
     def max_query_len(self) -> int:
         return self._ctx[T.TB_B_MAX_QUERY]
 
+    def presize_views(self) -> None:
+        """Make now the input views (``query_start_loc_np`` ...
+        ``num_computed_tokens_np``) for every batch size and buffer the
+        kernel writes them into, so that no step pays for making one."""
+        for addr, (a, _, _) in self._inputs.items():
+            R = a.shape[1] - 1
+            for n in range(R + 1):
+                if (addr, n) not in self._input_views:
+                    self._input_views[addr, n] = (
+                        a[T.BI_QSL],
+                        a[T.BI_CU_LOGITS, : n + 1],
+                        a[T.BI_SEQ_UB, :R],
+                        a[T.BI_NCT, :n],
+                    )
+
     def _views(self):
         key = (self._ctx[T.TB_BIN], self._n)
         v = self._input_views.get(key)
@@ -324,4 +339,5 @@ def input_views(buf: np.ndarray, expanded_idx: np.ndarray, R: int):
 
 def _bounded(views: dict) -> dict:
     # one entry per buffer and size seen: bounded, in case sizes keep changing
-    return {} if len(views) >= 4096 else views
+    # (above what presize_views makes: 2 buffers per slot and size)
+    return {} if len(views) >= 65536 else views

@@ -551,8 +551,9 @@ def test_resync_failure_changes_nothing_and_retries():
         np.testing.assert_array_equal(getattr(t.device_tensors, name).numpy(), getattr(t, name))
 
 
+@pytest.mark.parametrize("presize", [False, True], ids=["lazy-views", "presized-views"])
 @pytest.mark.parametrize("graphs", [True, False], ids=["graph", "eager"])
-def test_batch_inputs_shipped_with_the_step(graphs):
+def test_batch_inputs_shipped_with_the_step(graphs, presize):
     """query_start_loc (into the engine's tensor) and cu_num_logits ship in
     the step's own device work, under random holds and stream moves: each
     consumer read queued after a step sees that step's host arrays; nothing
@@ -569,6 +570,9 @@ def test_batch_inputs_shipped_with_the_step(graphs):
             decode_query_len=DQL,
             mirror_options={"ops": ops, "idx_mapping": True, "query_start_loc_target": qsl, "ring_depth": 2},
         )
+        if presize:  # (what the vLLM adapter does: every size's views made up front)
+            t._mirror.presize_views()
+            t._batch.presize_views()
         reads = []
         issued = None
         expanded = 0

@@ -247,6 +247,8 @@ class ModelRunnerV2State:
         # ids finish() freed through the runner's hooks, for apply(); None: a
         # decode step (nobody leaves), applied as the scheduler sent it
         self._freeing: list[str] | None = []
+        if self._inputs_on:
+            self._presize_views()
 
     # -- the three runner methods ---------------------------------------------
 
@@ -386,23 +388,39 @@ class ModelRunnerV2State:
             self._padding_views[key] = v
         return v
 
-    def _step_inputs(self, b, n, num_reqs_padded):
+    def _presize_views(self) -> None:
+        # every per-size view prepare_inputs takes, made now for every batch
+        # size (and padded size) and slot: a step whose size is new builds
+        # its StepInputs from them (no view made in a step)
         import torch
 
+        t = self.table
+        t._mirror.presize_views()
+        t._batch.presize_views()
+        R = t.max_num_reqs
+        qsl_t = t._mirror._qsl_target  # vLLM's input_buffers.query_start_loc
+        seq_lens = self.runner.input_buffers.seq_lens
+        self._by_padded = [(qsl_t[: p + 1], seq_lens[:p]) for p in range(R + 1)]
+        self._by_slot_padded = {}  # slot buffer -> [(query_start_loc_np[:p + 1], seq_lens_cpu_upper_bound[:p])]
+        for addr, (rows, _, _) in t._batch._inputs.items():
+            ub = torch.from_numpy(rows[_T.BI_SEQ_UB, :R])
+            self._by_slot_padded[addr] = [(rows[_T.BI_QSL, : p + 1], ub[:p]) for p in range(R + 1)]
+
+    def _step_inputs(self, b, n, num_reqs_padded):
         m = self.table._mirror
         qsl_t, cu_t, zeros = m.batch_inputs()
         si = StepInputs()
-        si.query_start_loc_np = qsl_np = b.query_start_loc_np
-        si.query_start_loc_np_padded = qsl_np[: num_reqs_padded + 1]
+        si.query_start_loc_np = b.query_start_loc_np
+        si.query_start_loc_np_padded, si.seq_lens_cpu_upper_bound = self._by_slot_padded[self.table._cv[_T.TB_BIN]][
+            num_reqs_padded
+        ]
         si.cu_num_logits_np = b.cu_num_logits_np
         si.num_computed_tokens_np = b.num_computed_tokens_np
-        si.seq_lens_cpu_upper_bound = torch.from_numpy(b.seq_lens_cpu_upper_bound_np[:num_reqs_padded])
         si.idx_mapping = m.idx_mapping()
         si.query_start_loc = qsl_t
-        si.query_start_loc_padded = qsl_t[: num_reqs_padded + 1]
+        si.query_start_loc_padded, si.seq_lens = self._by_padded[num_reqs_padded]
         si.cu_num_logits = cu_t
         si.local_pos_zeros = zeros
-        si.seq_lens = self.runner.input_buffers.seq_lens[:num_reqs_padded]
         return si
 
     def idx_mapping(self, idx_mapping_np: np.ndarray):
