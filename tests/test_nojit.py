@@ -112,3 +112,10 @@ def test_token_runs_and_chunks_nojit():
     ops = DeferredOps(torch, seed=3)
     t, checker, seeds = _engine(ops, 2, R=16, L=128, token_chunk=8)
     assert _drive(ops, t, checker, _sim(16, 128, 3), 15, 3, seeds=seeds) == 0
+
+
+def test_sampler_answers_nojit():
+    from test_sampler_answers import test_a_changed_row_changes_the_answer, test_answers_equal_vllms_numpy
+
+    test_a_changed_row_changes_the_answer()
+    test_answers_equal_vllms_numpy()

@@ -207,7 +207,93 @@ def run_workload(w: Workload, model_dir: str, check_pickled: bool = True, contro
     return res
 
 
-def run_runner_differential(w: Workload, model_dir: str, deferred: bool = False) -> dict:
+def diff_sampler(ref, ib_ref, patched, ib_pat) -> list[str]:
+    """The sampler, vLLM's runner off vs on: every per-row value per request
+    id (host arrays and device tensors), the answers to its per-step
+    questions for the batch (off: vLLM's numpy; on: mtpstate's), and on the
+    patched side each answered method against vLLM's own on the same
+    arrays."""
+    bad = diff_states(ref.sampler_state(), patched.sampler_state())
+    _expand_as_vllm(ib_ref)
+    got_ref, got_pat = ref.sample_questions(ib_ref), patched.sample_questions(ib_pat)
+    for name, a, b in zip(("logprobs_dims", "top_k", "top_p", "has_topp_only_rows", "fused"), got_ref, got_pat):
+        a, b = (x.tolist() if hasattr(x, "tolist") else x for x in (a, b))
+        if a != b or type(a) is not type(b):
+            bad.append(f"sampler {name}: vLLM {a!r} vs {b!r}")
+    return bad + answered_vs_vllm(patched.sampler, patched.mtpstate.sampler_answers, ib_pat)
+
+
+def _expand_as_vllm(ib) -> None:
+    # off: expand_idx_mapping's Triton kernel is a no-op here; its outputs
+    # as the kernel writes them, so that the sampler's gathers read them
+    if ib.expanded_idx_mapping is ib.idx_mapping:
+        return
+    import torch
+
+    n = np.diff(ib.cu_num_logits_np[: ib.num_reqs + 1])
+    ib.expanded_idx_mapping.copy_(torch.from_numpy(np.repeat(ib.idx_mapping_np, n)))
+    ib.expanded_local_pos.copy_(torch.from_numpy(np.concatenate([np.arange(k) for k in n]).astype(np.int32)))
+
+
+def _plain(x):
+    if isinstance(x, tuple):
+        return tuple(_plain(y) for y in x)
+    return x.tolist() if hasattr(x, "tolist") else x
+
+
+def answered_vs_vllm(s, answers, ib) -> list[str]:
+    """Each sampler method mtpstate answers for the batch of ``ib``, against
+    the class's own (vLLM's) method on the same arrays, and the skip checks
+    (processing, penalties, logit bias, bad words, thinking budget,
+    temperature, min-p) against vLLM's numpy."""
+    from mtpstate._kernels import sampler as K
+    from mtpstate.tools.vllm_bench.workloads import VOCAB
+
+    idx, eim = ib.idx_mapping_np, ib.expanded_idx_mapping
+    if answers.idx is not idx:
+        return ["sampler: mtpstate did not answer for this batch"]
+    ss, lpt = s.sampling_states, s.logprob_token_ids_state
+    cases = {
+        "get_logprobs_dims": (s, "get_logprobs_dims", (idx,)),
+        "any_greedy": (ss, "any_greedy", (idx,)),
+        "any_explicit_seed": (ss, "any_explicit_seed", (idx,)),
+        "max_num_logprobs": (ss, "max_num_logprobs", (idx,)),
+        "max_num_token_ids": (lpt, "max_num_token_ids", (idx,)),
+    }
+    for v in (VOCAB, VOCAB - 1, 50, 1):
+        cases[f"get_top_k_top_p(vocab={v})"] = (ss, "get_top_k_top_p", (eim, idx, v))
+    bad = []
+    for name, (obj, meth, args) in cases.items():
+        a, b = _plain(getattr(type(obj), meth)(obj, *args)), _plain(getattr(obj, meth)(*args))
+        if a != b:
+            bad.append(f"sampler.{name}: vLLM {a!r} vs mtpstate's {b!r}")
+    lb, bw, tb = s.logits_processors[0], s.logits_processors[2], s.thinking_budget_state
+    t = ss.temperature.np[idx]
+    want = {
+        "needs_logits_processing": bool(np.any(s.needs_logits_processing[idx])),
+        "use_penalty": bool(np.any(s.penalties_state.use_penalty[idx])),
+        "use_logit_bias": bool(np.any(lb.use_logit_bias[idx])),
+        "use_thinking_budget": bool(tb.enabled and np.any(tb.use_thinking_budget[idx])),
+        "temperature": not np.all((t == 0.0) | (t == 1.0)),
+        "min_p": not np.all(ss.min_p.np[idx] == 0.0),
+        "max_num_bad_words": int(bw.num_bad_words.np[idx].max()),
+        "max_top_k": int(np.max(ss.top_k.np[idx])),
+    }
+    f = answers.flags
+    got = {
+        "needs_logits_processing": bool(f & K.SP_NEEDS_PROCESSING),
+        "use_penalty": bool(f & K.SP_USE_PENALTY),
+        "use_logit_bias": bool(f & K.SP_USE_LOGIT_BIAS),
+        "use_thinking_budget": bool(f & K.SP_USE_THINKING_BUDGET),
+        "temperature": bool(f & K.SP_TEMPERATURE),
+        "min_p": bool(f & K.SP_MIN_P),
+        "max_num_bad_words": answers.max_num_bad_words,
+        "max_top_k": answers.max_top_k,
+    }
+    return bad + [f"sampler {k}: vLLM {v} vs mtpstate's {got[k]}" for k, v in want.items() if got[k] != v]
+
+
+def run_runner_differential(w: Workload, model_dir: str, deferred: bool = False, sampler: bool = True) -> dict:
     """vLLM's unpatched source, mtpstate applied by its plugin through vLLM's
     own ``load_general_plugins()``: the runner's methods as the plugin
     patched them, mtpstate on (``ModelRunnerV2State``), against vLLM's own
@@ -228,17 +314,25 @@ def run_runner_differential(w: Workload, model_dir: str, deferred: bool = False)
         from mtpstate.devices import DeferredOps
 
         ops = DeferredOps(torch, graphs=True)
-    ref, patched = MRV2Reference(*args), MRV2Reference(*args, use_mtpstate=True, ops=ops)
-    res = {"workload": w.name, "steps": 0, "disagreements": 0, "first": []}
+    ref = MRV2Reference(*args, sampler=sampler)
+    patched = MRV2Reference(*args, use_mtpstate=True, ops=ops, sampler=sampler)
+    answers = patched.mtpstate.sampler_answers if sampler else None
+    if sampler and answers is None:
+        raise RuntimeError("mtpstate did not attach to vLLM's Sampler")
+    res = {"workload": w.name, "steps": 0, "disagreements": 0, "first": [], "sampler_answered": 0}
     per_step = collections.Counter()
     ids_ref = lambda rows: [ref.req_states.index_to_req_id[int(r)] for r in rows]  # noqa: E731
     ids_pat = lambda rows: [patched.req_states.index_to_req_id[int(r)] for r in rows]  # noqa: E731
     for so in drv.steps():
         blob = pickle.dumps(so)
         so2 = pickle.loads(blob)
+        # unseeded requests' seeds are vLLM's draws from numpy's global
+        # generator, in add order: the same state before each side's step
+        np.random.seed(res["steps"])
         ref.apply(so)
         if ops is not None:
             before = dict(ops.issued)
+        np.random.seed(res["steps"])
         patched.apply(so2)
         if ops is not None:
             issued = {k: v - before.get(k, 0) for k, v in ops.issued.items() if v != before.get(k, 0)}
@@ -255,9 +349,11 @@ def run_runner_differential(w: Workload, model_dir: str, deferred: bool = False)
         # every other step padded as for a full CUDA graph (requests and tokens)
         n = len(vb.req_ids)
         pad = None if res["steps"] % 2 else (min(n + 3, ref.max_num_reqs), vb.num_tokens + 5)
-        bad += diff_inputs(
-            ref.prepare(so, vb, pad), ids_ref, patched.prepare(so2, pb, pad), ids_pat, ref.decode_query_len
-        )
+        ib_ref, ib_pat = ref.prepare(so, vb, pad), patched.prepare(so2, pb, pad)
+        bad += diff_inputs(ib_ref, ids_ref, ib_pat, ids_pat, ref.decode_query_len)
+        if sampler:
+            bad += diff_sampler(ref, ib_ref, patched, ib_pat)
+            res["sampler_answered"] += answers.idx is ib_pat.idx_mapping_np
         res["steps"] += 1
         if bad:
             res["disagreements"] += 1

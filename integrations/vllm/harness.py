@@ -26,7 +26,7 @@ import time
 from dataclasses import replace
 
 from differential import run_runner_differential, run_workload
-from sabotage import SABOTAGE, sabotage
+from sabotage import SABOTAGE, SAMPLER_SABOTAGE, sabotage
 
 from mtpstate.tools.vllm_bench.bench import breakdown_workload, run_machine
 from mtpstate.tools.vllm_bench.reference import cache_envs, load_plugin
@@ -61,7 +61,7 @@ def main(argv=None) -> int:
     )
     p.add_argument(
         "--sabotage",
-        choices=sorted(SABOTAGE),
+        choices=sorted(SABOTAGE) + sorted(SAMPLER_SABOTAGE),
         help="with --runner: break what the mirror ships to vLLM's tensors (a negative control: must disagree)",
     )
     p.add_argument(

@@ -45,7 +45,27 @@ SABOTAGE = {
 }
 
 
+def _skip_last_sampler_row() -> None:
+    # the sampler's answers computed without the batch's last row (as if
+    # its values were stale)
+    from mtpstate.integrations.vllm.sampler import SamplerAnswers
+
+    compute = SamplerAnswers.compute
+
+    def stale(self, idx_addr, n, idx):
+        compute(self, idx_addr, max(n - 1, 1), idx)
+
+    SamplerAnswers.compute = stale
+
+
+# negative controls of mtpstate's answers to vLLM's sampler
+SAMPLER_SABOTAGE = {"sampler-stale-row": _skip_last_sampler_row}
+
+
 def sabotage(kind: str) -> None:
+    if kind in SAMPLER_SABOTAGE:
+        SAMPLER_SABOTAGE[kind]()
+        return
     from mtpstate.mirror import DeviceMirror
 
     ship, corrupt = DeviceMirror._ship, SABOTAGE[kind]

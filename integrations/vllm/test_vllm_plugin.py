@@ -194,6 +194,10 @@ def test_vllm_check(env, rc, needle):
     assert needle in p.stdout and "vLLM: 0.34.0, supported" in p.stdout
     assert p.stdout.count("guard: GPUModelRunner.") == len(plugin.SUPPORTED["0.34.0"])
     assert p.stdout.count("guard (computed by mtpstate): input_batch.") == 2
+    n_sampler = sum(len(v) for v in plugin.SAMPLER_COMPUTED["0.34.0"].values())
+    assert p.stdout.count("guard (sampler, answered by mtpstate): ") == n_sampler
+    sampler_lines = [ln for ln in p.stdout.splitlines() if ln.startswith("guard (sampler")]
+    assert all(ln.endswith(": ok") for ln in sampler_lines), sampler_lines
     p = subprocess.run([sys.executable, "-m", "mtpstate", "vllm-check", "--json"], capture_output=True, env=full)
     assert p.returncode == rc and json.loads(p.stdout)["would_apply"] is (rc == 0)
 
@@ -229,3 +233,47 @@ def test_one_info_line_per_process():
     assert logged[1] == (
         "LOG INFO mtpstate: not used for prefill context parallelism (PCP); this runner keeps vLLM's own request state"
     )
+
+
+_SAMPLER = (
+    _KEEP_RECORDS
+    + """
+    sys.path.insert(0, {here!r})
+    from mtpstate.tools.vllm_bench.reference import MRV2Reference, load_plugin
+    from mtpstate.tools.vllm_bench.shims import install_cpu_shims
+    install_cpu_shims()
+    load_plugin()
+    from mtpstate.integrations.vllm import plugin
+    if {drift!r}:
+        table = plugin.SAMPLER_COMPUTED["0.34.0"]["vllm.v1.worker.gpu.sample.states"]
+        table["SamplingStates.any_greedy"] = "0000000000000000"
+    print("BAD", sorted(k for k, m in plugin.check_sampler(refresh=True).items() if m != "ok"))
+    r = MRV2Reference(8, 256, 64, [16], 1, use_mtpstate=True, sampler=True)
+    ss = r.sampler.sampling_states
+    on = r.mtpstate.sampler_answers is not None
+    print("ATTACHED", on, "any_greedy" in vars(ss), "add_request" in vars(r.sampler))
+    for rec in records:
+        print("LOG", rec.levelname, rec.getMessage())
+"""
+)
+
+
+@pytest.mark.parametrize("drift", [False, True])
+def test_sampler_guard(drift):
+    """mtpstate answers vLLM's sampler questions only when every method it
+    replaces is vLLM 0.34.0's own (fingerprints); a changed one leaves the
+    sampler untouched (no instance attribute set), says so once, and the
+    rest of the integration still applies."""
+    p = _run(_SAMPLER.format(here=HERE, drift=drift), env_on=False)
+    assert p.returncode == 0, p.stderr[-3000:]
+    bad = _lines(p, "BAD")
+    attached = _lines(p, "ATTACHED")
+    logs = [ln for ln in p.stdout.splitlines() if ln.startswith("LOG INFO")]
+    if drift:
+        assert bad == "BAD ['states.SamplingStates.any_greedy']"
+        assert attached == "ATTACHED False False False"
+        assert sum("vLLM's sampler answers its own per-step questions" in ln for ln in logs) == 1, logs
+    else:
+        assert bad == "BAD []"
+        assert attached == "ATTACHED True True True"
+    assert any(ln.startswith("LOG INFO mtpstate: active;") for ln in logs), logs

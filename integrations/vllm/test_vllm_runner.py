@@ -15,7 +15,7 @@ import pytest
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
-from sabotage import SABOTAGE  # noqa: E402
+from sabotage import SABOTAGE, SAMPLER_SABOTAGE  # noqa: E402
 
 from mtpstate.tools.vllm_bench.workloads import WORKLOADS  # noqa: E402
 
@@ -59,11 +59,13 @@ def test_runner_on_a_deferred_device_one_replay_per_step():
         assert r["ops_per_step"] == {json.dumps({"record": 1, "replay": 1}): 120}, r["ops_per_step"]
 
 
-@pytest.mark.parametrize("kind", sorted(SABOTAGE))
+@pytest.mark.parametrize("kind", sorted(SABOTAGE) + sorted(SAMPLER_SABOTAGE))
 def test_runner_differential_can_fail(kind):
     """Negative controls: the mirror's copy corrupted (new requests' token
     ids zeroed; total_len / device num_computed_tokens zeroed; prefill/prompt
-    lengths not shipped) must show up as disagreements with vLLM."""
+    lengths not shipped; expanded positions zeroed), or the sampler's
+    answers computed without one of the batch's rows, must show up as
+    disagreements with vLLM."""
     p, results = _harness("--sabotage", kind, "--workload", "sync-spec3-chunked", "--steps", "30", timeout=600)
     assert len(results) == 1 and results[0]["steps"] == 30, p.stderr[-3000:]
     assert results[0]["disagreements"] > 0, results

@@ -133,6 +133,15 @@ def view_u64(addr, n):
     return _py_view(ctypes.c_uint64, addr, n)
 
 
+def view_f32(addr, n):
+    return _py_view(ctypes.c_float, addr, n)
+
+
+def view_u8(addr, n):
+    # numpy bool arrays are one byte per element, 0 or 1
+    return _py_view(ctypes.c_uint8, addr, n)
+
+
 def _make_ptr_intrinsic(nbtype, bits):
     @intrinsic
     def _ptr(typingctx, addr):
@@ -149,6 +158,23 @@ def _make_ptr_intrinsic(nbtype, bits):
 _ptr_i32 = _make_ptr_intrinsic(types.int32, 32)
 _ptr_i64 = _make_ptr_intrinsic(types.int64, 64)
 _ptr_u64 = _make_ptr_intrinsic(types.uint64, 64)
+_ptr_u8 = _make_ptr_intrinsic(types.uint8, 8)
+
+
+def _make_ptr_f32_intrinsic():
+    @intrinsic
+    def _ptr(typingctx, addr):
+        sig = types.CPointer(types.float32)(types.int64)
+
+        def codegen(context, builder, signature, args):
+            return builder.inttoptr(args[0], ir.FloatType().as_pointer())
+
+        return sig, codegen
+
+    return _ptr
+
+
+_ptr_f32 = _make_ptr_f32_intrinsic()
 
 
 @overload(view_i32)
@@ -164,6 +190,16 @@ def _ov_view_i64(addr, n):
 @overload(view_u64)
 def _ov_view_u64(addr, n):
     return lambda addr, n: numba.carray(_ptr_u64(addr), n)
+
+
+@overload(view_f32)
+def _ov_view_f32(addr, n):
+    return lambda addr, n: numba.carray(_ptr_f32(addr), n)
+
+
+@overload(view_u8)
+def _ov_view_u8(addr, n):
+    return lambda addr, n: numba.carray(_ptr_u8(addr), n)
 
 
 # ----------------------------------------------------------------------------

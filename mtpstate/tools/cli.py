@@ -525,6 +525,8 @@ def _cmd_vllm_check(args) -> int:
                 print(f"guard: {name}: {verdict}")
             for name, verdict in f.get("computed", {}).items():
                 print(f"guard (computed by mtpstate): {name}: {verdict}")
+            for name, verdict in f.get("sampler", {}).items():
+                print(f"guard (sampler, answered by mtpstate): {name}: {verdict}")
             print(f"{plugin.ENV_VAR} now: {f[plugin.ENV_VAR] or 'unset'}")
         if f["would_apply"]:
             print(

@@ -170,11 +170,20 @@ def fingerprints(text: str, keys) -> dict[tuple[str, str], str | None]:
 
 
 def function_fingerprints(text: str, names) -> dict[str, str | None]:
-    """The fingerprint of each top-level function of ``names`` in the module
-    source ``text`` (None: no such function)."""
+    """The fingerprint of each top-level function (``name``) or method
+    (``Class.name``) of ``names`` in the module source ``text`` (None: no
+    such definition)."""
     lines = text.split("\n")
-    defs = {n.name: n for n in ast.parse(text).body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))}
-    return {name: fingerprint(_segment(lines, defs[name])) if name in defs else None for name in names}
+    tree = ast.parse(text)
+    defs = {n.name: n for n in tree.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))}
+    members = _members(tree)
+    out = {}
+    for name in names:
+        cls, _, attr = name.rpartition(".")
+        item = members.get(cls, {}).get(attr) if cls else defs.get(name)
+        ok = isinstance(item, (ast.FunctionDef, ast.AsyncFunctionDef))
+        out[name] = fingerprint(_segment(lines, item)) if ok else None
+    return out
 
 
 def plan(module: str, text: str, hunks: list[tuple[int, list[str]]]) -> SourceChange:

@@ -25,6 +25,7 @@ import operator
 import numpy as np
 
 from mtpstate._kernels import slots as _T
+from mtpstate.integrations.vllm import sampler as _sampler
 from mtpstate.results import StepResult
 from mtpstate.table import RequestTable
 
@@ -249,6 +250,9 @@ class ModelRunnerV2State:
         self._freeing: list[str] | None = []
         if self._inputs_on:
             self._presize_views()
+        # the sampler's per-step questions, answered for each batch handed out
+        # (None: no sampler here, or not exactly vLLM's; it answers itself)
+        self.sampler_answers = _sampler.attach(self, getattr(runner, "sampler", None))
 
     # -- the three runner methods ---------------------------------------------
 
@@ -319,6 +323,8 @@ class ModelRunnerV2State:
         if not (use_pp and has_prefill):
             arrays["max_seq_len_np"] = None
         self._idx_np = arrays["idx_mapping_np"]
+        if self.sampler_answers is not None:  # (every new row's sampling params are in by now)
+            self.sampler_answers.compute(self.table._cv[_T.TB_BATCH_IDX], len(self._idx_np), self._idx_np)
         state = cls(
             req_ids=b.req_ids,
             num_tokens=b.num_tokens,

@@ -36,7 +36,18 @@ from importlib import resources
 
 from mtpstate.integrations.vllm import _source
 
-__all__ = ["COMPUTED", "ENV_VAR", "SUPPORTED", "Verdict", "apply", "check", "enabled", "register"]
+__all__ = [
+    "COMPUTED",
+    "ENV_VAR",
+    "SAMPLER_COMPUTED",
+    "SUPPORTED",
+    "Verdict",
+    "apply",
+    "check",
+    "check_sampler",
+    "enabled",
+    "register",
+]
 
 ENV_VAR = "VLLM_USE_MTPSTATE"
 RUNNER_MODULE = "vllm.v1.worker.gpu.model_runner"
@@ -66,6 +77,36 @@ COMPUTED: dict[str, dict[str, dict[str, str]]] = {
             "expand_idx_mapping": "3ecf689a9f7c8516",
             "_expand_idx_mapping_kernel": "d86019216156350d",
         },
+    },
+}
+
+# per release, the vLLM sampler methods whose answers mtpstate computes for
+# the step's batch (mtpstate.integrations.vllm.sampler replaces them on the
+# sampler's objects, and keeps Sampler.apply_sampling_params' body):
+# module -> Class.method -> fingerprint of its source. A changed one leaves
+# the sampler to vLLM alone (the rest of the integration still applies).
+SAMPLER_COMPUTED: dict[str, dict[str, dict[str, str]]] = {
+    "0.34.0": {
+        "vllm.v1.worker.gpu.sample.sampler": {
+            "Sampler.add_request": "ae3019624cf50ab2",
+            "Sampler.get_logprobs_dims": "0e2a4743b51029ba",
+            "Sampler.apply_sampling_params": "da3036b9f32e1a05",
+        },
+        "vllm.v1.worker.gpu.sample.states": {
+            "SamplingStates.add_request": "ee0f73b7845ab635",
+            "SamplingStates.any_greedy": "ff73c193006f6bc4",
+            "SamplingStates.any_explicit_seed": "c4c1cb53d4df49a8",
+            "SamplingStates.max_num_logprobs": "9259cc196828617f",
+            "SamplingStates.get_top_k_top_p": "74c1383cd7f7bf4c",
+            "SamplingStates.apply_top_k_top_p": "e48fa814d6938bb2",
+            "SamplingStates.apply_temperature": "8182128a15189f56",
+            "SamplingStates.apply_min_p": "23a7363247153f91",
+        },
+        "vllm.v1.worker.gpu.sample.penalties": {"PenaltiesState.apply": "419fda3540d4bbbc"},
+        "vllm.v1.worker.gpu.sample.logit_bias": {"LogitBiasState.apply": "976be2db6504afbe"},
+        "vllm.v1.worker.gpu.sample.bad_words": {"BadWordsState.apply": "6fec53b3c676f600"},
+        "vllm.v1.worker.gpu.sample.thinking_budget": {"ThinkingBudgetState.apply": "f2054103012fc1d2"},
+        "vllm.v1.worker.gpu.sample.logprob": {"LogprobTokenIdsState.max_num_token_ids": "db603214bd05ea8d"},
     },
 }
 
@@ -220,6 +261,44 @@ def _check_computed(v: Verdict, release: str, mod: str, names: dict[str, str]) -
         v.computed[f"{short}.{name}"] = got
 
 
+_sampler_verdict: dict[str, str] | None = None
+
+
+def check_sampler(refresh: bool = False) -> dict[str, str]:
+    """The guard for the sampler methods mtpstate answers
+    (:data:`SAMPLER_COMPUTED`): ``module.Class.method`` -> ``"ok"`` or what
+    differs. Computed once per process (``refresh``: again)."""
+    global _sampler_verdict
+    with _lock:
+        if _sampler_verdict is None or refresh:
+            v = Verdict(vllm_version=_version())
+            if v.vllm_version is not None:
+                release = v.vllm_version.split("+")[0]
+                table = SAMPLER_COMPUTED.get(release)
+                if table is None:
+                    v.computed["sampler"] = f"vLLM {v.vllm_version} is not a supported version"
+                else:
+                    for mod, names in table.items():
+                        _check_computed(v, release, mod, names)
+            else:
+                v.computed["sampler"] = "vLLM is not importable in this environment"
+            _sampler_verdict = v.computed
+        return dict(_sampler_verdict)
+
+
+def sampler_methods_ok() -> bool:
+    """Whether every sampler method mtpstate answers is vLLM's as it was
+    written against (:func:`check_sampler`); logs one INFO line if not."""
+    bad = {k: m for k, m in check_sampler().items() if m != "ok"}
+    if bad and not getattr(sampler_methods_ok, "_said", False):
+        sampler_methods_ok._said = True
+        logger.info(
+            "mtpstate: vLLM's sampler answers its own per-step questions: %s",
+            "; ".join(f"{k}: {m}" for k, m in bad.items()),
+        )
+    return not bad
+
+
 def _defined_in(fn, path: str) -> bool:
     while hasattr(fn, "__wrapped__"):
         fn = fn.__wrapped__
@@ -347,6 +426,7 @@ def report() -> dict:
     )
     facts["methods"] = v.methods
     facts["computed"] = v.computed
+    facts["sampler"] = check_sampler(refresh=True)
     reasons = list(v.problems)
     if not eps:
         reasons.append("mtpstate's entry point is not visible to vLLM (install mtpstate into vLLM's environment)")

@@ -9,7 +9,7 @@ from collections import deque
 
 import numpy as np
 
-from mtpstate.tools.vllm_bench.workloads import TINY_LLAMA, VOCAB, Workload, make_scheduler
+from mtpstate.tools.vllm_bench.workloads import TINY_LLAMA, VOCAB, Workload, make_scheduler, sampling_kwargs
 
 # ----------------------------------------------------------------------------
 # the driver: vLLM's scheduler with a fake model
@@ -32,6 +32,7 @@ class Driver:
         self.hasher = get_request_block_hasher(w.block_size, sha256) if w.prefix_caching else None
         self.prefix = [self.rng.randrange(3, VOCAB) for _ in range(96)]
         self.n = 0
+        self.sampling_rng = random.Random(w.seed * 7919 + 17)  # the params mix's own stream
 
     def _new_request(self):
         from vllm.v1.request import Request
@@ -46,7 +47,8 @@ class Driver:
         suffix = f"{rng.getrandbits(32):08x}"
         rid = f"cmpl-{self.n}-{suffix}" if not w.unicode_ids else f"請求-{self.n}-é-{suffix}"
         self.n += 1
-        sp = self.SamplingParams(max_tokens=rng.randint(*max_tokens), ignore_eos=True)
+        mix = sampling_kwargs(self.sampling_rng, self.n)
+        sp = self.SamplingParams(max_tokens=rng.randint(*max_tokens), ignore_eos=True, **mix)
         if rng.random() < w.prompt_embeds:
             import torch
 

@@ -85,6 +85,7 @@ class MRV2Reference:
         use_mtpstate=False,
         ops=None,
         device="cpu",
+        sampler=False,
     ):
         import torch
         from vllm.v1.worker.gpu.block_table import BlockTables
@@ -100,7 +101,16 @@ class MRV2Reference:
         self.prompt_logprobs_worker = self.pp_handler = self.kv_block_zeroer = None
         self.lora_state = self.draft_tokens_handler = _Null()
         self.model_state = _ModelState()
-        self.is_last_pp_rank = False  # the sampler's per-request state is not compared
+        # sampler: vLLM's real Sampler (and prompt-logprobs worker) on the
+        # last pipeline stage, as a serving runner has them; else none
+        self.is_last_pp_rank = bool(sampler)
+        if sampler:
+            from vllm.config import VllmConfig
+            from vllm.v1.worker.gpu.sample.prompt_logprob import PromptLogprobsWorker
+            from vllm.v1.worker.gpu.sample.sampler import Sampler
+
+            self.sampler = Sampler(VllmConfig(), max_num_reqs, VOCAB, dev, self.req_states)
+            self.prompt_logprobs_worker = PromptLogprobsWorker(max_num_reqs, dev)
         # the runner's methods: as the plugin patched them (on), or vLLM's own (off)
         self._runner = GPUModelRunner if use_mtpstate else vllm_methods(GPUModelRunner)
         # what prepare_inputs / prepare_attn read besides the request state
@@ -186,6 +196,70 @@ class MRV2Reference:
         Returns the InputBatch."""
         self.apply(so)
         return self.prepare(so, self.gather(so))
+
+    def sample_questions(self, ib):
+        """What vLLM's ``Sampler.__call__`` asks on the host for the batch
+        of InputBatch ``ib`` before it samples, in its order and through the
+        sampler's own methods: ``get_logprobs_dims``, ``apply_sampling_params``
+        (its processors' checks; their launches are the shims' no-ops, on
+        logits one column wide: the logits' copy is device work), then
+        ``sample``'s ``get_top_k_top_p`` (with its device gathers) and the
+        fused-sampler checks. Returns ``(logprobs_dims, top_k, top_p,
+        has_topp_only_rows, fused_sampler_eligible)``."""
+        import torch
+
+        s = self.sampler
+        ss = s.sampling_states
+        idx = ib.idx_mapping_np
+        # (vLLM gathers these at logits_indices, which its no-op kernels left
+        # unwritten here: the same number of rows, sliced)
+        n_logits = ib.expanded_idx_mapping.shape[0]
+        pos, input_ids = ib.positions[:n_logits], ib.input_ids[:n_logits]
+        dims = s.get_logprobs_dims(idx)
+        logits = torch.zeros(n_logits, 1)
+        s.apply_sampling_params(
+            logits,
+            ib.expanded_idx_mapping,
+            ib.idx_mapping,
+            idx,
+            pos,
+            input_ids,
+            ib.expanded_local_pos,
+            ib.seq_lens_cpu_upper_bound.numpy(),
+            skip_top_k_top_p=True,
+        )
+        top_k, top_p, topp_only = ss.get_top_k_top_p(ib.expanded_idx_mapping, idx, VOCAB)
+        fused = not ((top_k is None and top_p is None) or ss.any_greedy(idx) or ss.any_explicit_seed(idx))
+        return dims, top_k, top_p, topp_only, fused
+
+    def sampler_state(self) -> dict:
+        """Per request id: the sampler's per-row values (host arrays and the
+        UVA tensors' device side) as vLLM's sampler holds them."""
+        s = self.sampler
+        ss, pen, lpt = s.sampling_states, s.penalties_state, s.logprob_token_ids_state
+        cols = {
+            "temperature": ss.temperature.np,
+            "top_k": ss.top_k.np,
+            "top_p": ss.top_p.np,
+            "min_p": ss.min_p.np,
+            "seeds": ss.seeds.np,
+            "seeds_set": ss.seeds_set,
+            "num_logprobs": ss.num_logprobs,
+            "needs_logits_processing": s.needs_logits_processing,
+            "may_mask_logits": s.may_mask_logits,
+            "repetition_penalty": pen.repetition_penalty.np,
+            "frequency_penalty": pen.frequency_penalty.np,
+            "presence_penalty": pen.presence_penalty.np,
+            "use_penalty": pen.use_penalty,
+            "num_token_ids": lpt.num_token_ids.np,
+            "temperature.gpu": ss.temperature.gpu,
+            "top_k.gpu": ss.top_k.gpu,
+            "top_p.gpu": ss.top_p.gpu,
+            "min_p.gpu": ss.min_p.gpu,
+            "seeds.gpu": ss.seeds.gpu,
+        }
+        cols = {k: (v.cpu().numpy() if hasattr(v, "cpu") else v) for k, v in cols.items()}
+        return {rid: {k: v[r].item() for k, v in cols.items()} for rid, r in self.req_states.req_id_to_index.items()}
 
     def state(self, device: bool = False) -> dict:
         """Per request id: every field the comparison covers; ``device``:

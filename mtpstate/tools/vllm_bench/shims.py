@@ -46,6 +46,13 @@ def install_cpu_shims() -> None:
     for mod, names in ((input_batch, INPUT_KERNELS), (block_table, ATTN_KERNELS)):
         for name in names:
             setattr(mod, name, _NoLaunch())
+    # the sampler's launchers (Triton on a GPU): no-ops on both sides
+    import importlib
+
+    for mod_name, names in SAMPLER_LAUNCHERS.items():
+        mod = importlib.import_module(mod_name)
+        for name in names:
+            setattr(mod, name, _NoLaunchCall())
 
 
 # the Triton kernels of prepare_inputs (input_batch.py) and prepare_attn
@@ -57,6 +64,14 @@ INPUT_KERNELS = (
     "_expand_idx_mapping_kernel",
 )
 ATTN_KERNELS = ("_gather_block_tables_kernel", "_compute_slot_mappings_kernel")
+# the functions vLLM's sampler calls that launch its Triton kernels, by module
+SAMPLER_LAUNCHERS = {
+    "vllm.v1.worker.gpu.sample.states": ("apply_temperature", "apply_min_p"),
+    "vllm.v1.worker.gpu.sample.penalties": ("apply_penalties", "bincount"),
+    "vllm.v1.worker.gpu.sample.logit_bias": ("apply_logit_bias",),
+    "vllm.v1.worker.gpu.sample.bad_words": ("apply_bad_words",),
+    "vllm.v1.worker.gpu.sample.thinking_budget": ("apply_thinking_budget",),
+}
 
 
 class _NoLaunch:
@@ -72,6 +87,15 @@ class _NoLaunch:
 
 def _no_launch(*args, **kwargs):
     return None
+
+
+class _NoLaunchCall:
+    """A launcher function (``apply_min_p(logits, ...)``) that launches
+    nothing; counted with the kernels' launches."""
+
+    def __call__(self, *args, **kwargs):
+        _NoLaunch.launches += 1
+        return None
 
 
 class _NumpyWriteKernel:

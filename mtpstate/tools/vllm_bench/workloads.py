@@ -65,6 +65,37 @@ TINY_DEEPSEEK_MTP = {
 VOCAB = TINY_LLAMA["vocab_size"]
 
 
+# The mix of sampling params every driven request gets (drawn from its own
+# stream: the scheduler's steps are the same as without it): (share, kwargs).
+# Every case vLLM's sampler normalizes or flags is in it: greedy, top-p,
+# top-k with a seed, logprobs (and -1: the whole vocabulary), an out-of-range
+# top_k (vLLM uses the vocabulary), min-p, penalties, logit bias and allowed
+# token ids (vLLM's logit-bias processor).
+SAMPLING_MIX = (
+    (0.30, {"temperature": 0.0}),
+    (0.03, {"logit_bias": {7: 2.0, 11: -1.0}}),
+    (0.02, {"temperature": 0.6, "allowed_token_ids": [3, 4, 5, 6, 7, 8]}),
+    (0.25, {"temperature": 0.7, "top_p": 0.9}),
+    (0.15, {"temperature": 0.8, "top_k": 50, "seed": "n"}),
+    (0.10, {"logprobs": 5}),
+    (0.05, {"top_k": VOCAB + 1000, "min_p": 0.05}),
+    (0.05, {"temperature": 0.9, "repetition_penalty": 1.1, "frequency_penalty": 0.2, "presence_penalty": 0.3}),
+    (0.05, {"temperature": 0.5, "top_k": -1, "logprobs": -1}),
+)
+
+
+def sampling_kwargs(rng, n: int) -> dict:
+    """Request ``n``'s sampling params from :data:`SAMPLING_MIX` (``seed``
+    "n": the request's number)."""
+    x, acc, kw = rng.random(), 0.0, SAMPLING_MIX[-1][1]
+    for share, case in SAMPLING_MIX:
+        acc += share
+        if x < acc:
+            kw = case
+            break
+    return {k: (n if v == "n" else v) for k, v in kw.items()}
+
+
 @dataclass(frozen=True)
 class Workload:
     name: str
