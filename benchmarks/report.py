@@ -147,7 +147,7 @@ def bookkeeping_table() -> str:
 
 
 RUNNER_ORDER = KINDS
-PHASES = ("finish", "add", "update", "gather", "prepare_inputs", "prepare_attn")  # mtpstate.tools.vllm_bench.bench
+PHASES = ("finish", "add", "update", "gather", "prepare_inputs", "prepare_attn", "sample")  # ...vllm_bench.bench
 
 
 def runner_table(results: list[dict] | None = None) -> str:
@@ -155,12 +155,14 @@ def runner_table(results: list[dict] | None = None) -> str:
     plugin (on), one row per workload, from ``mtpstate bench-vllm --level runner``."""
     if results is None:
         results = _load("bench-vllm-runner.json")[1]
+    phases = [p for p in PHASES if p in results[0]["phases_us"]["vllm"]]
     rows = [
         "| workload | max running | off (vLLM), us | on (mtpstate), us | speedup (paired median, p10-p90) "
-        "| off: finish / add / update / gather / prepare_inputs / prepare_attn, us | on: the same, us "
+        f"| off: {' / '.join(phases)}, us | on: the same, us "
         "| input preparation (gather + prepare_inputs + prepare_attn): off vs on, us, paired median (p10-p90) "
+        "| the sampler's per-step questions: off vs on, us, paired median (p10-p90) "
         "| torch ops off | torch ops on | launches off | launches on |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     key = lambda r: (RUNNER_ORDER.index(r["workload"].split("-")[0]), _n(r["workload"]))  # noqa: E731
     for r in sorted(results, key=key):
@@ -170,12 +172,14 @@ def runner_table(results: list[dict] | None = None) -> str:
             f"**{r['speedup']:.2f}x** ({r['paired_median']:.2f}x, {r['paired_p10']:.2f}-{r['paired_p90']:.2f})"
         )
         for side in ("vllm", "mtpstate"):
-            cells.append(" / ".join(f"{ph[side][k]:.0f}" for k in PHASES))
-        ip = r["input_preparation"]
-        cells.append(
-            f"{ip['vllm_median_us']:.0f} vs {ip['mtpstate_median_us']:.0f}: **{ip['paired_median']:.2f}x** "
-            f"({ip['paired_p10']:.2f}-{ip['paired_p90']:.2f})"
-        )
+            cells.append(" / ".join(f"{ph[side][k]:.0f}" for k in phases))
+        for ip in (r["input_preparation"], r.get("sample_questions")):
+            cells.append(
+                "-"
+                if ip is None
+                else f"{ip['vllm_median_us']:.0f} vs {ip['mtpstate_median_us']:.0f}: **{ip['paired_median']:.2f}x** "
+                f"({ip['paired_p10']:.2f}-{ip['paired_p90']:.2f})"
+            )
         for side in ("vllm", "mtpstate"):
             o = ops[side]
             cells.append(f"{_opt(o['without_new'])} / {_opt(o['with_new'])} (max {o['max']})")
@@ -219,7 +223,7 @@ def headline() -> str:
     sizes = sorted({_n(w) for w in run} | {_n(w) for w in book})
     out = [
         "| running requests | own steady decode: kernel vs loop | vLLM's steps, bookkeeping: steady / busy / chunked "
-        "| vLLM's runner, host step: steady / busy / chunked |",
+        "| vLLM's runner with its Sampler, host step: steady / busy / chunked |",
         "|---:|---:|---:|---:|",
     ]
 

@@ -55,6 +55,10 @@ def test_quick_json_has_both_levels_of_every_workload(quick):
             ops = r["torch_ops"]
             for side in ("vllm", "mtpstate"):
                 assert ops[side]["without_new"] > 0 and "no_op_launches" in ops[side], ops
+            # vLLM's Sampler attached on both sides, its questions timed
+            assert r["sampler"] is True and r["phases_us"]["vllm"]["sample"] > 0, r
+            sq = r["sample_questions"]
+            assert sq["vllm_median_us"] > 0 and sq["mtpstate_median_us"] > 0 and sq["paired_median"] > 0, sq
         else:
             assert r["mrv2_median_us"] > 0 and r["apply_alone_ns_per_request"] > 0
 

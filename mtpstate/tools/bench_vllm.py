@@ -26,7 +26,10 @@ CPU_SHIMS = (
     "platform: vLLM's unspecified platform as a CPU device",
     "UVA buffers: CPU tensors (as vLLM's CPU runner)",
     "staged-write kernel (buffer_utils): numpy",
-    "Triton kernels of prepare_inputs / prepare_attn: counted no-ops",
+    "Triton kernels of prepare_inputs / prepare_attn: counted no-ops (expand_idx_mapping's outputs written "
+    "in numpy, untimed, for the sampler's gathers)",
+    "the sampler's Triton launchers (temperature, min-p, penalties, logit bias, bad words, thinking budget): "
+    "counted no-ops",
     "the mirror's device step (one graph replay): a counted no-op",
 )
 # both sides: vllm.envs cached, as a serving vLLM process caches it once started
@@ -101,6 +104,7 @@ def run(
     levels: tuple[str, ...] = LEVELS,
     repeats: int | None = None,
     quick: bool = False,
+    sampler: bool = True,
     shims: tuple[str, ...] | None = None,
     on_result=None,
 ) -> dict:
@@ -122,6 +126,11 @@ def run(
         Passes over the recorded steps (None: 5; ``quick``: 2).
     quick
         One size, ``QUICK_STEPS`` steps per workload, two repeats.
+    sampler
+        Runner level: vLLM's real ``Sampler`` (and prompt-logprobs worker)
+        attached on both sides, requests with the driver's sampling-params
+        mix (``workloads.SAMPLING_MIX``), the sampler's per-step questions
+        timed as the ``sample`` phase; False: no sampler on either side.
     shims
         What :func:`prepare` returned, if called already (None: it is called
         here).
@@ -154,7 +163,8 @@ def run(
                 if quick:
                     w = replace(w, steps=min(w.steps, QUICK_STEPS))
                 t0 = time.perf_counter()
-                r = bench_workload(w, model_dir, repeats=repeats, runner=level == "runner", device=device)
+                runner = level == "runner"
+                r = bench_workload(w, model_dir, repeats=repeats, runner=runner, device=device, sampler=sampler)
                 r.update(level=level, n=n, seconds=time.perf_counter() - t0)
                 results.append(r)
                 if on_result is not None:
@@ -166,6 +176,7 @@ def run(
         "shims": list(shims),
         "note": CPU_NOTE if device == "cpu" else CUDA_NOTE,
         "quick": quick,
+        "sampler": sampler,
         "results": results,
     }
 

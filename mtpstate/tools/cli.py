@@ -335,6 +335,11 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--level", choices=["bookkeeping", "runner", "both"], default="both", help="what is timed")
     v.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="cuda: nothing shimmed, run on the GPU")
     v.add_argument("--repeats", type=_int(1, 100), help="passes over the recorded steps (default: 5; --quick 2)")
+    v.add_argument(
+        "--no-sampler",
+        action="store_true",
+        help="runner level: without vLLM's Sampler on either side (default: attached, its questions timed)",
+    )
     v.add_argument("--json", metavar="FILE", help="write results and run metadata as JSON")
     v.add_argument("--plot", metavar="FILE.png", help="plot us per step against N, one panel per level (matplotlib)")
 
@@ -479,6 +484,7 @@ def _cmd_bench_vllm(args) -> None:
         levels=levels,
         repeats=args.repeats,
         quick=args.quick,
+        sampler=not args.no_sampler,
         shims=shims,
         on_result=lambda r: print(bench_vllm.table_row(r), flush=True),
     )

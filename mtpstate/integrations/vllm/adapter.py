@@ -222,6 +222,20 @@ class ModelRunnerV2State:
         t = self.table
         d = t.device_tensors
         # the runner reads these every step; as views, apply's writes are theirs
+        replaced = {}  # id(vLLM's array or tensor) -> (it, the table's in its place)
+        for obj, name, new in (
+            (rs, "num_computed_tokens_np", t.num_computed_tokens),
+            (rs, "num_computed_prefill_tokens", t.num_computed_prefill_tokens),
+            (rs, "max_seq_len", t.max_seq_len),
+            (rs.prompt_len, "np", t.prompt_len),
+            (rs.prompt_len, "gpu", d.prompt_len),
+            (rs.prefill_len, "np", t.prefill_len),
+            (rs.prefill_len, "gpu", d.prefill_len),
+            (bt.num_blocks, "np", t.num_blocks),
+            (bt.num_blocks, "gpu", d.num_blocks),
+        ):
+            old = getattr(obj, name)
+            replaced[id(old)] = (old, new)
         rs.num_computed_tokens_np = t.num_computed_tokens  # [max_num_reqs]
         rs.num_computed_prefill_tokens = t.num_computed_prefill_tokens  # [max_num_reqs]
         rs.max_seq_len = t.max_seq_len  # [max_num_reqs]
@@ -241,6 +255,10 @@ class ModelRunnerV2State:
         for g, dev in enumerate(d.block_tables):  # [max_num_reqs, W_g] each
             bt.block_tables[g].gpu = dev
         bt.init_block_table_layout_tensors()  # the kernels' pointer/stride tables
+        # what the runner's other parts built before now took references to
+        # those arrays (the sampler's logit-bias processor keeps
+        # prompt_len.np for min_tokens): the table's in their place
+        _rebind_aliases(runner, replaced, skip=(rs, bt))
         self._idx_ring = t._mirror.rows_ring("idx_mapping")  # (idx_mapping() of a dummy run's batch)
         # rows are the table's: vLLM's RequestState.remove_request still
         # returns its row to the free list, which nothing pops any more
@@ -441,6 +459,38 @@ class ModelRunnerV2State:
         if idx_mapping_np is self._idx_np:
             return self.table.device_idx_mapping()
         return self._idx_ring.upload(idx_mapping_np)
+
+
+def _rebind_aliases(runner, replaced: dict, skip) -> int:
+    """Replace, in the objects the runner holds (its attributes' attributes,
+    and the items of their lists and tuples: the sampler's processors, ...),
+    every attribute that is one of ``replaced``'s old arrays or tensors by
+    the table's. Returns how many were replaced."""
+    seen, n = {id(o) for o in skip}, 0
+    todo = [v for v in vars(runner).values() if hasattr(v, "__dict__")]
+    for depth in range(3):
+        nxt = []
+        for obj in todo:
+            if id(obj) in seen or not hasattr(obj, "__dict__") or isinstance(obj, type):
+                continue
+            seen.add(id(obj))
+            for name, value in list(vars(obj).items()):
+                hit = replaced.get(id(value))
+                if hit is not None and hit[0] is value:
+                    try:
+                        setattr(obj, name, hit[1])
+                    except AttributeError:  # (a frozen object: it keeps vLLM's, and says so)
+                        logger.warning("mtpstate: %s.%s still refers to vLLM's own array", type(obj).__name__, name)
+                        continue
+                    n += 1
+                elif isinstance(value, (list, tuple)):
+                    nxt.extend(v for v in value if hasattr(v, "__dict__"))
+                elif hasattr(value, "__dict__") and depth < 2:
+                    nxt.append(value)
+        todo = nxt
+    if n:
+        logger.debug("mtpstate: %d reference(s) to the runner's replaced arrays rebound to the table's", n)
+    return n
 
 
 def _bounded(views: dict) -> dict:

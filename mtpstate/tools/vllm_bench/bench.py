@@ -20,14 +20,16 @@ import numpy as np
 
 from mtpstate.tools.vllm_bench.driver import Driver
 from mtpstate.tools.vllm_bench.reference import MRV2Reference
-from mtpstate.tools.vllm_bench.shims import _NoLaunch
+from mtpstate.tools.vllm_bench.shims import UNTIMED, _NoLaunch
 from mtpstate.tools.vllm_bench.workloads import Workload
 
 # ----------------------------------------------------------------------------
 # paired timing on the real steps
 
 
-def bench_workload(w: Workload, model_dir: str, repeats: int = 5, runner: bool = False, device: str = "cpu") -> dict:
+def bench_workload(
+    w: Workload, model_dir: str, repeats: int = 5, runner: bool = False, device: str = "cpu", sampler: bool = True
+) -> dict:
     """Record the workload's steps once, then time, per step and interleaved,
     MRV2's host path (finish/add/update, then the batch -> row mapping of
     ``gather_batch_req_state``) against ``RequestTable.apply`` + ``rows`` for
@@ -36,11 +38,12 @@ def bench_workload(w: Workload, model_dir: str, repeats: int = 5, runner: bool =
     computed outside the timed region: both sides need it. ``runner``: the
     runner as the plugin patches it, mtpstate on, against vLLM's own
     methods, over the host part of ``execute_model`` up to the forward
-    (``_bench_runner``). ``device``: "cpu" (the shims; launches are no-ops)
+    (``_bench_runner``; ``sampler``: vLLM's real Sampler attached on both
+    sides, its per-step questions timed). ``device``: "cpu" (the shims; launches are no-ops)
     or "cuda" (nothing shimmed)."""
     ctx = _staging_launches_as_no_ops() if device == "cpu" else contextlib.nullcontext()
     with ctx:
-        r = _bench_runner(w, model_dir, repeats, device) if runner else _bench(w, model_dir, repeats, device)
+        r = _bench_runner(w, model_dir, repeats, device, sampler) if runner else _bench(w, model_dir, repeats, device)
     r["device"] = device
     return r
 
@@ -181,16 +184,21 @@ def _bench(w, model_dir, repeats, device):
     }
 
 
-PHASES = ("finish", "add", "update", "gather", "prepare_inputs", "prepare_attn")
+PHASES = ("finish", "add", "update", "gather", "prepare_inputs", "prepare_attn", "sample")
 INPUT_PHASES = ("gather", "prepare_inputs", "prepare_attn")  # input preparation
 
 
 def _timed_host_step(sub, so, out, sync):
     """``MRV2Reference.host_step`` with a clock between its phases (PHASES):
     finish_requests + free_states; add_requests (mtpstate's whole apply
-    when on); update_requests + the block tables' apply_staged_writes;
-    gather_batch_req_state; prepare_inputs; prepare_attn. Appends the six
-    durations to ``out``, then ``sync()`` (untimed)."""
+    when on; vLLM's sampler.add_request per new request and its
+    apply_staged_writes, when attached); update_requests + the block tables'
+    apply_staged_writes; gather_batch_req_state; prepare_inputs;
+    prepare_attn; the sampler's per-step questions
+    (``MRV2Reference.sample_questions``; 0 without a sampler). Appends the
+    seven durations to ``out``, then ``sync()`` (untimed). The shims' host
+    stand-ins for GPU work (``shims.UNTIMED``) are not counted."""
+    u0 = UNTIMED[0]
     t0 = time.perf_counter()
     sub.finish(so)
     t1 = time.perf_counter()
@@ -202,13 +210,17 @@ def _timed_host_step(sub, so, out, sync):
     t4 = time.perf_counter()
     ib = sub.inputs(so, batch)
     t5 = time.perf_counter()
+    u1 = UNTIMED[0]
     sub.attn(ib)
     t6 = time.perf_counter()
-    out.append((t1 - t0, t2 - t1, t3 - t2, t4 - t3, t5 - t4, t6 - t5))
+    if sub.sampler is not None:
+        sub.sample_questions(ib)
+    t7 = time.perf_counter()
+    out.append((t1 - t0, t2 - t1, t3 - t2, t4 - t3, t5 - t4 - (u1 - u0), t6 - t5, t7 - t6))
     sync()
 
 
-def _bench_runner(w, model_dir, repeats, device):
+def _bench_runner(w, model_dir, repeats, device, sampler=True):
     """The patched runner with mtpstate on against itself off (vLLM's own
     code paths), per step and interleaved (which side goes first alternates
     by repeat), on freshly unpickled steps: the host part of
@@ -221,7 +233,7 @@ def _bench_runner(w, model_dir, repeats, device):
     times = {False: [], True: []}
     running, with_new = [], []
     for rep in range(repeats):
-        sides = {on: MRV2Reference(*args, use_mtpstate=on, device=device) for on in (False, True)}
+        sides = {on: MRV2Reference(*args, use_mtpstate=on, device=device, sampler=sampler) for on in (False, True)}
         order = (False, True) if rep % 2 == 0 else (True, False)
         for b, keep in zip(blobs, timed):
             sos = {on: pickle.loads(b) for on in order}
@@ -238,7 +250,7 @@ def _bench_runner(w, model_dir, repeats, device):
     on = np.array(times[True])
     t_off, t_on = off.sum(axis=1), on.sum(axis=1)
     ratios = t_off / t_on
-    ops = _torch_op_counts(w, block_sizes, blobs, timed, device)
+    ops = _torch_op_counts(w, block_sizes, blobs, timed, device, sampler)
     med = lambda a: float(np.median(a)) * 1e6  # noqa: E731  (us)
     return {
         "workload": w.name,
@@ -260,7 +272,11 @@ def _bench_runner(w, model_dir, repeats, device):
             "mtpstate": {p: med(on[:, k]) for k, p in enumerate(PHASES)},
         },
         # gather + prepare_inputs + prepare_attn, per step: medians and the paired ratio
-        "input_preparation": _paired(off[:, 3:].sum(axis=1), on[:, 3:].sum(axis=1)),
+        "input_preparation": _paired(off[:, 3:6].sum(axis=1), on[:, 3:6].sum(axis=1)),
+        # the sampler's share: its add_request + apply_staged_writes are in
+        # "add" (vLLM's on both sides), its per-step questions are "sample"
+        "sampler": sampler,
+        "sample_questions": _paired(off[:, 6], on[:, 6]) if sampler else None,
         "torch_ops": ops,
     }
 
@@ -334,7 +350,7 @@ def breakdown_workload(w: Workload, model_dir: str, repeats: int = 3) -> dict:
     return {"workload": w.name, "breakdown_us": {k: statistics.median(v) * 1e6 for k, v in out.items()}}
 
 
-def _torch_op_counts(w, block_sizes, blobs, timed, device="cpu") -> dict:
+def _torch_op_counts(w, block_sizes, blobs, timed, device="cpu", sampler=False) -> dict:
     """torch operator calls per step (a TorchDispatchMode counter, in a pass
     of its own: counting slows the calls) on each side, over the timed part
     (``MRV2Reference.host_step``): on a GPU each is a kernel launch, a copy
@@ -360,7 +376,7 @@ def _torch_op_counts(w, block_sizes, blobs, timed, device="cpu") -> dict:
     args = (w.max_num_seqs, w.max_model_len, w.max_num_batched_tokens, block_sizes, w.num_spec)
     out = {}
     for side, on in (("vllm", False), ("mtpstate", True)):
-        ref = MRV2Reference(*args, use_mtpstate=on, device=device)
+        ref = MRV2Reference(*args, use_mtpstate=on, device=device, sampler=sampler)
         counts = {"with_new": [], "without_new": []}
         launches = {"with_new": [], "without_new": []}
         for b, keep in zip(blobs, timed):
@@ -368,7 +384,9 @@ def _torch_op_counts(w, block_sizes, blobs, timed, device="cpu") -> dict:
             Count.n = 0
             launched = _NoLaunch.launches
             with Count():
-                ref.host_step(so)
+                ib = ref.host_step(so)
+                if sampler:
+                    ref.sample_questions(ib)
             sync()
             if keep:
                 kind = "with_new" if so.scheduled_new_reqs else "without_new"

@@ -237,6 +237,7 @@ class MRV2Reference:
         UVA tensors' device side) as vLLM's sampler holds them."""
         s = self.sampler
         ss, pen, lpt = s.sampling_states, s.penalties_state, s.logprob_token_ids_state
+        lb, bw = s.logits_processors[0], s.logits_processors[2]
         cols = {
             "temperature": ss.temperature.np,
             "top_k": ss.top_k.np,
@@ -252,6 +253,16 @@ class MRV2Reference:
             "presence_penalty": pen.presence_penalty.np,
             "use_penalty": pen.use_penalty,
             "num_token_ids": lpt.num_token_ids.np,
+            # the processors' per-row values (logit bias, allowed ids, min_tokens, bad words)
+            "num_allowed_token_ids": lb.num_allowed_token_ids.np,
+            "num_logit_bias": lb.num_logit_bias.np,
+            "min_lens": lb.min_lens.np,
+            "num_stop_token_ids": lb.num_stop_token_ids.np,
+            "restore_when_all_masked": lb.restore_when_all_masked.np,
+            "use_logit_bias": lb.use_logit_bias,
+            "num_bad_words": bw.num_bad_words.np,
+            "min_lens.gpu": lb.min_lens.gpu,
+            "num_logit_bias.gpu": lb.num_logit_bias.gpu,
             "temperature.gpu": ss.temperature.gpu,
             "top_k.gpu": ss.top_k.gpu,
             "top_p.gpu": ss.top_p.gpu,

@@ -46,6 +46,8 @@ def install_cpu_shims() -> None:
     for mod, names in ((input_batch, INPUT_KERNELS), (block_table, ATTN_KERNELS)):
         for name in names:
             setattr(mod, name, _NoLaunch())
+    # (its outputs are read by the sampler's device gathers: written, untimed)
+    input_batch._expand_idx_mapping_kernel = _NumpyExpandKernel()
     # the sampler's launchers (Triton on a GPU): no-ops on both sides
     import importlib
 
@@ -96,6 +98,33 @@ class _NoLaunchCall:
     def __call__(self, *args, **kwargs):
         _NoLaunch.launches += 1
         return None
+
+
+# seconds the shims spent doing a GPU kernel's work on the host, which a
+# timed region subtracts (on a GPU that work is the device's)
+UNTIMED = [0.0]
+
+
+class _NumpyExpandKernel(_NoLaunch):
+    """``_expand_idx_mapping_kernel[grid](...)`` of input_batch.py: counted
+    as a launch, and its outputs written in numpy (the sampler gathers by
+    ``expanded_idx_mapping``), the time it takes added to ``UNTIMED``."""
+
+    def __getitem__(self, grid):
+        _NoLaunch.launches += 1
+        return self._run
+
+    @staticmethod
+    def _run(idx_mapping, expanded_idx_mapping, expanded_local_pos, cu_num_logits, BLOCK_SIZE):  # noqa: N803
+        import time
+
+        t0 = time.perf_counter()
+        idx, cu = idx_mapping.numpy(), cu_num_logits.numpy()[: len(idx_mapping) + 1]
+        n = np.diff(cu)
+        expanded_idx_mapping.numpy()[:] = np.repeat(idx, n)
+        starts = np.repeat(cu[:-1], n)
+        expanded_local_pos.numpy()[:] = np.arange(int(cu[-1])) - starts
+        UNTIMED[0] += time.perf_counter() - t0
 
 
 class _NumpyWriteKernel:

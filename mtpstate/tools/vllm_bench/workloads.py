@@ -69,10 +69,13 @@ VOCAB = TINY_LLAMA["vocab_size"]
 # stream: the scheduler's steps are the same as without it): (share, kwargs).
 # Every case vLLM's sampler normalizes or flags is in it: greedy, top-p,
 # top-k with a seed, logprobs (and -1: the whole vocabulary), an out-of-range
-# top_k (vLLM uses the vocabulary), min-p, penalties, logit bias and allowed
-# token ids (vLLM's logit-bias processor).
+# top_k (vLLM uses the vocabulary), min-p, penalties, logit bias, allowed
+# token ids and min_tokens with and without stop tokens (vLLM's logit-bias
+# processor).
 SAMPLING_MIX = (
-    (0.30, {"temperature": 0.0}),
+    (0.26, {"temperature": 0.0}),
+    (0.02, {"min_tokens": 3}),
+    (0.02, {"min_tokens": 2, "stop_token_ids": [2, 9]}),
     (0.03, {"logit_bias": {7: 2.0, 11: -1.0}}),
     (0.02, {"temperature": 0.6, "allowed_token_ids": [3, 4, 5, 6, 7, 8]}),
     (0.25, {"temperature": 0.7, "top_p": 0.9}),
