@@ -119,3 +119,15 @@ def test_sampler_answers_nojit():
 
     test_a_changed_row_changes_the_answer()
     test_answers_equal_vllms_numpy()
+
+
+def test_sampling_params_nojit():
+    from test_sampling_params import (
+        test_seed_draw_matches_numpy_at_its_edges,
+        test_unreadable_params_are_reported,
+        test_writes_equal_vllms_add_request,
+    )
+
+    test_writes_equal_vllms_add_request()
+    test_seed_draw_matches_numpy_at_its_edges()
+    test_unreadable_params_are_reported()

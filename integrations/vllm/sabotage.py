@@ -58,8 +58,25 @@ def _skip_last_sampler_row() -> None:
     SamplerAnswers.compute = stale
 
 
-# negative controls of mtpstate's answers to vLLM's sampler
-SAMPLER_SABOTAGE = {"sampler-stale-row": _skip_last_sampler_row}
+def _drop_last_new_params() -> None:
+    # the last new request of a step's sampling params never written (its
+    # row keeps the previous request's values)
+    from mtpstate.integrations.vllm.sampler import SamplingParamsWriter
+
+    flush = SamplingParamsWriter.flush
+
+    def stale(self):
+        if self._rows:
+            self._rows.pop()
+            self._sps.pop()
+        flush(self)
+
+    SamplingParamsWriter.flush = stale
+
+
+# negative controls of mtpstate's answers to vLLM's sampler and of its
+# writes of new requests' sampling params
+SAMPLER_SABOTAGE = {"sampler-stale-row": _skip_last_sampler_row, "sampler-params-row": _drop_last_new_params}
 
 
 def sabotage(kind: str) -> None:

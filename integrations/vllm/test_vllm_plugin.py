@@ -277,3 +277,63 @@ def test_sampler_guard(drift):
         assert bad == "BAD []"
         assert attached == "ATTACHED True True True"
     assert any(ln.startswith("LOG INFO mtpstate: active;") for ln in logs), logs
+
+
+_BAD_PARAMS = (
+    _KEEP_RECORDS
+    + """
+    sys.path.insert(0, {here!r})
+    import copy, pickle
+    from types import SimpleNamespace
+    from mtpstate.tools.vllm_bench.reference import MRV2Reference, load_plugin
+    from mtpstate.tools.vllm_bench.shims import install_cpu_shims
+    from mtpstate.tools.vllm_bench.driver import Driver
+    from mtpstate.tools.vllm_bench.workloads import WORKLOADS, write_model_dir
+    from mtpstate.errors import InvalidStepError
+    install_cpu_shims()
+    load_plugin()
+    w = WORKLOADS["sync-spec3-chunked"]
+    drv = Driver(w, write_model_dir())
+    r = MRV2Reference(w.max_num_seqs, w.max_model_len, w.max_num_batched_tokens, drv.block_sizes, w.num_spec,
+                      use_mtpstate=True, sampler=True)
+    cases = [("temperature", float("nan")), ("temperature", float("inf")), ("temperature", "0.7"),
+             ("seed", 2**63), ("logprobs", -2), ("top_k", None), ("missing", None)]
+    tested = 0
+    for so in drv.steps():
+        quiet = not so.finished_req_ids and not so.preempted_req_ids
+        if so.scheduled_new_reqs and quiet and tested < len(cases):
+            field, value = cases[tested]
+            bad = pickle.loads(pickle.dumps(so))
+            req = bad.scheduled_new_reqs[-1]
+            if field == "missing":
+                sp = req.sampling_params
+                req.sampling_params = SimpleNamespace(**{{k: getattr(sp, k) for k in ("temperature", "top_k")}})
+            else:
+                setattr(req.sampling_params, field, value)
+            before = (r.state(), r.sampler_state(), dict(r.req_states.req_id_to_index))
+            try:
+                r.apply(bad)
+                print("CASE", field, "not refused")
+            except InvalidStepError as e:
+                same = before == (r.state(), r.sampler_state(), dict(r.req_states.req_id_to_index))
+                print("CASE", field, req.req_id in str(e), ("sampling_params" in str(e)), same, str(e)[:160])
+            tested += 1
+        r.apply(so)  # the good step, applied as sent
+        r.prepare(so, r.gather(so))
+    print("TESTED", tested)
+"""
+)
+
+
+def test_bad_sampling_params_are_refused_whole():
+    """A new request whose sampling params cannot be written as vLLM would
+    (NaN or inf temperature, a str, a seed outside int64, logprobs < -1, an
+    int field None, a missing attribute) makes the step raise
+    InvalidStepError naming the request and the field, with nothing
+    changed (request state, sampler arrays, vLLM's id map); the same step
+    unchanged then applies."""
+    p = _run(_BAD_PARAMS.format(here=HERE), env_on=False)
+    cases = [ln for ln in p.stdout.splitlines() if ln.startswith("CASE")]
+    assert _lines(p, "TESTED") == "TESTED 7", p.stdout[-3000:]
+    for ln in cases:
+        assert " True True True " in ln, ln

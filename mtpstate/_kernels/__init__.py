@@ -8,7 +8,9 @@ and the named slots of its contexts); then ``step`` (the step kernel, phase
 by phase) with ``index`` (the request id -> row hash index),
 ``new_requests`` (a step's new requests read, validated, written),
 ``writes`` (element writes staged for the mirror) and ``batch`` (the step's
-batch); ``arrays`` is the array entry point. The Python API
+batch); ``arrays`` is the array entry point. For an engine's sampler:
+``sampling_params`` (new requests' params read in place and written into
+its per-row arrays) and ``sampler`` (its per-step answers over a batch). The Python API
 (``mtpstate.index``, ``mtpstate.table``) launches them with integer
 arguments only.
 """

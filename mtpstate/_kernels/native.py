@@ -137,6 +137,10 @@ def view_f32(addr, n):
     return _py_view(ctypes.c_float, addr, n)
 
 
+def view_f64(addr, n):
+    return _py_view(ctypes.c_double, addr, n)
+
+
 def view_u8(addr, n):
     # numpy bool arrays are one byte per element, 0 or 1
     return _py_view(ctypes.c_uint8, addr, n)
@@ -177,6 +181,22 @@ def _make_ptr_f32_intrinsic():
 _ptr_f32 = _make_ptr_f32_intrinsic()
 
 
+def _make_ptr_f64_intrinsic():
+    @intrinsic
+    def _ptr(typingctx, addr):
+        sig = types.CPointer(types.float64)(types.int64)
+
+        def codegen(context, builder, signature, args):
+            return builder.inttoptr(args[0], ir.DoubleType().as_pointer())
+
+        return sig, codegen
+
+    return _ptr
+
+
+_ptr_f64 = _make_ptr_f64_intrinsic()
+
+
 @overload(view_i32)
 def _ov_view_i32(addr, n):
     return lambda addr, n: numba.carray(_ptr_i32(addr), n)
@@ -197,9 +217,39 @@ def _ov_view_f32(addr, n):
     return lambda addr, n: numba.carray(_ptr_f32(addr), n)
 
 
+@overload(view_f64)
+def _ov_view_f64(addr, n):
+    return lambda addr, n: numba.carray(_ptr_f64(addr), n)
+
+
 @overload(view_u8)
 def _ov_view_u8(addr, n):
     return lambda addr, n: numba.carray(_ptr_u8(addr), n)
+
+
+# ----------------------------------------------------------------------------
+# a C function ``uint64_t f(void *)`` called by address (numpy's bit
+# generators' ``next_uint64``; the caller holds the generator's lock)
+
+
+def _py_call_u64(fn, arg):
+    f = ctypes.CFUNCTYPE(ctypes.c_uint64, ctypes.c_void_p)(int(fn))
+    return np.uint64(f(int(arg)))
+
+
+@intrinsic
+def _call_u64(typingctx, fn, arg):
+    sig = types.uint64(types.int64, types.int64)
+
+    def codegen(context, builder, signature, args):
+        fnty = ir.FunctionType(_I64, [_I8P])
+        ptr = builder.inttoptr(args[0], fnty.as_pointer())
+        return builder.call(ptr, [builder.inttoptr(args[1], _I8P)])
+
+    return sig, codegen
+
+
+call_u64 = _pick(_py_call_u64, lambda: _call_u64)
 
 
 # ----------------------------------------------------------------------------

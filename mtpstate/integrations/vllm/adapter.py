@@ -304,11 +304,16 @@ class ModelRunnerV2State:
         in the order of ``scheduled_new_reqs``, for the runner's add hooks)."""
         so = scheduler_output
         freeing = self._freeing
+        new = so.scheduled_new_reqs
+        writer = None if self.sampler_answers is None else self.sampler_answers.writer
+        if new and writer is not None:
+            writer.read(new)  # (their sampling params checked before anything changes)
         # a decode step (finish() found nobody leaving): the step as it is
         res = self.table.apply(so if freeing is None else _Step(freeing, so))
+        if new and writer is not None:
+            writer.arm()
         self._freeing = []
         self._batch = res.batch
-        new = so.scheduled_new_reqs
         if new:
             rs = self.runner.req_states
             rows = res.new_rows

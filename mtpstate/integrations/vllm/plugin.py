@@ -81,8 +81,10 @@ COMPUTED: dict[str, dict[str, dict[str, str]]] = {
 }
 
 # per release, the vLLM sampler methods whose answers mtpstate computes for
-# the step's batch (mtpstate.integrations.vllm.sampler replaces them on the
-# sampler's objects, and keeps Sampler.apply_sampling_params' body):
+# the step's batch and whose per-request writes it makes for new requests
+# (mtpstate.integrations.vllm.sampler replaces them on the sampler's objects,
+# keeps Sampler.apply_sampling_params' body, and writes what the add_request
+# methods write):
 # module -> Class.method -> fingerprint of its source. A changed one leaves
 # the sampler to vLLM alone (the rest of the integration still applies).
 SAMPLER_COMPUTED: dict[str, dict[str, dict[str, str]]] = {
@@ -91,9 +93,11 @@ SAMPLER_COMPUTED: dict[str, dict[str, dict[str, str]]] = {
             "Sampler.add_request": "ae3019624cf50ab2",
             "Sampler.get_logprobs_dims": "0e2a4743b51029ba",
             "Sampler.apply_sampling_params": "da3036b9f32e1a05",
+            "Sampler.apply_staged_writes": "fefa37610bd91f77",
         },
         "vllm.v1.worker.gpu.sample.states": {
             "SamplingStates.add_request": "ee0f73b7845ab635",
+            "SamplingStates.masks_logits": "8674ee08b358696e",
             "SamplingStates.any_greedy": "ff73c193006f6bc4",
             "SamplingStates.any_explicit_seed": "c4c1cb53d4df49a8",
             "SamplingStates.max_num_logprobs": "9259cc196828617f",
@@ -102,11 +106,28 @@ SAMPLER_COMPUTED: dict[str, dict[str, dict[str, str]]] = {
             "SamplingStates.apply_temperature": "8182128a15189f56",
             "SamplingStates.apply_min_p": "23a7363247153f91",
         },
-        "vllm.v1.worker.gpu.sample.penalties": {"PenaltiesState.apply": "419fda3540d4bbbc"},
-        "vllm.v1.worker.gpu.sample.logit_bias": {"LogitBiasState.apply": "976be2db6504afbe"},
-        "vllm.v1.worker.gpu.sample.bad_words": {"BadWordsState.apply": "6fec53b3c676f600"},
-        "vllm.v1.worker.gpu.sample.thinking_budget": {"ThinkingBudgetState.apply": "f2054103012fc1d2"},
-        "vllm.v1.worker.gpu.sample.logprob": {"LogprobTokenIdsState.max_num_token_ids": "db603214bd05ea8d"},
+        "vllm.v1.worker.gpu.sample.penalties": {
+            "PenaltiesState.add_request": "ded8a7060d05840d",
+            "PenaltiesState.apply_staged_writes": "62f79bef3f1c1ca5",
+            "PenaltiesState.apply": "419fda3540d4bbbc",
+            "use_penalty": "ff3dc93dee445b03",
+        },
+        "vllm.v1.worker.gpu.sample.logit_bias": {
+            "LogitBiasState.add_request": "748feaeadd4f762e",
+            "LogitBiasState.apply": "976be2db6504afbe",
+        },
+        "vllm.v1.worker.gpu.sample.bad_words": {
+            "BadWordsState.add_request": "4cef0a4ce358ecc3",
+            "BadWordsState.apply": "6fec53b3c676f600",
+        },
+        "vllm.v1.worker.gpu.sample.thinking_budget": {
+            "ThinkingBudgetState.add_request": "0cd18729b20c4194",
+            "ThinkingBudgetState.apply": "f2054103012fc1d2",
+        },
+        "vllm.v1.worker.gpu.sample.logprob": {
+            "LogprobTokenIdsState.add_request": "2fa93c33c57286e7",
+            "LogprobTokenIdsState.max_num_token_ids": "db603214bd05ea8d",
+        },
     },
 }
 

@@ -15,6 +15,11 @@ a shard's) and any call after a request was added since goes to vLLM's
 method unchanged. The sampler's arrays, values and device tensors stay
 vLLM's: only how the questions are computed changes.
 
+:class:`SamplingParamsWriter` does the per-request half: new requests'
+sampling params read in place before the step (bad ones refused whole) and
+written into the sampler's arrays by one kernel call, as vLLM's
+``add_request`` would write them (``_kernels.sampling_params``).
+
 Imports no vLLM: it works on the sampler object it is given, after checking
 that its classes and the methods it replaces are exactly the ones this was
 written against (:data:`mtpstate.integrations.vllm.plugin.COMPUTED`).
@@ -27,8 +32,10 @@ import sys
 import numpy as np
 
 from mtpstate._kernels import sampler as _K
+from mtpstate._kernels import sampling_params as _P
+from mtpstate.errors import InvalidStepError
 
-__all__ = ["SamplerAnswers", "attach", "unsupported_reason"]
+__all__ = ["SamplerAnswers", "SamplingParamsWriter", "attach", "unsupported_reason"]
 
 # the exact classes whose methods attach() replaces: attribute path -> (module, class)
 _CLASSES = {
@@ -124,6 +131,7 @@ class SamplerAnswers:
         "max_top_k_top_p",
         "max_num_bad_words",
         "computed",
+        "writer",
         "_arrays",
         "_args",
         "_R",
@@ -137,11 +145,14 @@ class SamplerAnswers:
         self._arrays = tuple(a for a, _ in _arrays(sampler, max_num_reqs))
         self._args = tuple(a.ctypes.data for a in self._arrays)
         self.idx = None
+        self.writer = None  # the SamplingParamsWriter, if new requests' params are written here
         self.computed = 0  # steps answered (tests, stats)
 
     def compute(self, idx_addr: int, n: int, idx: np.ndarray) -> None:
         """Answer for the ``n`` rows at ``idx_addr`` (intp), whose copy
         ``idx`` is the ``idx_mapping_np`` vLLM's sampler will be asked with."""
+        if self.writer is not None:
+            self.writer.flush()  # (add_request calls not yet written)
         if n == 0:  # (vLLM's reductions over an empty batch raise: its own code answers)
             self.idx = None
             return
@@ -160,6 +171,175 @@ class SamplerAnswers:
         self.idx = None
 
 
+def _writer_reason(sampler) -> str | None:
+    # what keeps every request on vLLM's own add_request
+    if sampler.thinking_budget_state.enabled:
+        return "a thinking budget is configured"
+    if getattr(sampler, "trace_replay_state", None) is not None:
+        return "trace replay is enabled"
+    if len(sampler.logits_processors) != 3:
+        return "custom logits processors are configured"
+    return None
+
+
+def _targets(sampler):
+    # sp_write's arrays, in _P.SP_TARGETS order, with their dtypes
+    ss, pen, lpt = sampler.sampling_states, sampler.penalties_state, sampler.logprob_token_ids_state
+    lb, bw = _builtin_processors(sampler)
+    i32, f32, b = np.int32, np.float32, np.bool_
+    return (
+        (ss.temperature.np, f32),
+        (ss.top_k.np, i32),
+        (ss.top_p.np, f32),
+        (ss.min_p.np, f32),
+        (ss.seeds_set, b),
+        (ss.seeds.np, np.int64),
+        (ss.num_logprobs, i32),
+        (sampler.needs_logits_processing, b),
+        (sampler.may_mask_logits, b),
+        (pen.repetition_penalty.np, f32),
+        (pen.frequency_penalty.np, f32),
+        (pen.presence_penalty.np, f32),
+        (pen.use_penalty, b),
+        (lb.num_allowed_token_ids.np, i32),
+        (lb.num_logit_bias.np, i32),
+        (lb.min_lens.np, i32),
+        (lb.num_stop_token_ids.np, i32),
+        (lb.restore_when_all_masked.np, i32),
+        (lb.use_logit_bias, b),
+        (bw.num_bad_words.np, i32),
+        (lpt.num_token_ids.np, i32),
+        (lb.prompt_len_np, i32),
+    )
+
+
+# the attribute names sp_read reads (interned: the kernel has their addresses)
+_NAMES = tuple(sys.intern(n) for n in _P.SP_NAMES)
+
+
+class SamplingParamsWriter:
+    """New requests' sampling params into vLLM's sampler arrays, without
+    ``Sampler.add_request``'s Python per request (``_kernels.sampling_params``).
+
+    :meth:`read` (before the table's step changes anything) reads and checks
+    every new request's params: a bad one raises ``InvalidStepError`` naming
+    the request and the field, and nothing has changed. :meth:`arm` (after
+    the step) lets the sampler's ``add_request`` calls of the runner's add
+    loop only note (row, params); :meth:`flush` (the sampler's
+    ``apply_staged_writes``, or anything that reads the arrays) writes them
+    in one kernel call, seeds drawn from numpy's global generator in
+    request order as vLLM draws them, and calls vLLM's own ``add_request``
+    for the requests it does not write (a logit bias, allowed token ids,
+    min_tokens, bad words, logprob token ids; or params other than the ones
+    read), in their place in the order."""
+
+    def __init__(self, sampler, max_num_reqs: int, orig_add_request):
+        R = max_num_reqs
+        self._R = R
+        self._orig_add_request = orig_add_request
+        self._pen_rows = sampler.penalties_state._new_penalties_reqs  # vLLM's bincount list
+        self._targets = tuple(a for a, _ in _targets(sampler))  # held: written by address
+        self._f = np.zeros((R, _P.F_COLS), np.float64)  # the stash, by new request
+        self._i = np.zeros((R, _P.I_COLS), np.int64)
+        self._sp_addr = np.zeros(R, np.int64)  # each new request's params object (identity only)
+        self._pen = np.zeros(R, np.int64)
+        ctx = np.zeros(_P.C_SIZE, np.int64)
+        ctx[: _P.N_NAMES] = [id(n) for n in _NAMES]
+        ctx[_P.C_FLOAT : _P.C_DICT + 1] = [id(float), id(int), id(None), id(bool), id(list), id(dict)]
+        ctx[_P.C_F], ctx[_P.C_I], ctx[_P.C_SP] = self._f.ctypes.data, self._i.ctypes.data, self._sp_addr.ctypes.data
+        ctx[_P.C_TARGETS : _P.C_TARGETS + _P.N_TARGETS] = [a.ctypes.data for a in self._targets]
+        ctx[_P.C_PEN], ctx[_P.C_R], ctx[_P.C_VOCAB] = self._pen.ctypes.data, R, int(sampler.sampling_states.vocab_size)
+        self._ctx = ctx
+        self._ctx_addr = ctx.ctypes.data
+        self._rows: list[int] = []
+        self._sps: list = []
+        self._armed = False
+        self._reqs = None  # the step's new requests (held: the stash has their params' addresses)
+        self._n_read = 0
+        self._bitgen = None
+        self.written = 0  # requests written here (stats, tests)
+        self.by_vllm = 0  # requests handed to vLLM's add_request
+
+    def read(self, new_reqs) -> None:
+        """Read and check the step's new requests' sampling params."""
+        self._armed = False
+        reqs = new_reqs if type(new_reqs) is list else list(new_reqs)
+        n = len(reqs)
+        if n > self._R:
+            self._reqs = None
+            return  # (the table refuses the step)
+        st, i, field = _P.sp_read(id(reqs), n, self._ctx_addr)
+        if st != _P.SPR_OK:
+            self._reqs = None
+            raise _bad_params(reqs[i], st, field)
+        self._reqs, self._n_read = reqs, n
+
+    def arm(self) -> None:
+        """The step was applied: the add loop's add_request calls are noted
+        until :meth:`flush`."""
+        self._armed = self._reqs is not None
+
+    def note(self, req_idx, sampling_params) -> bool:
+        """An add_request call: noted (True) while armed."""
+        if not self._armed:
+            return False
+        self._rows.append(req_idx)
+        self._sps.append(sampling_params)
+        return True
+
+    def flush(self) -> None:
+        """Write the noted requests (see the class)."""
+        self._armed = False
+        rows, sps = self._rows, self._sps
+        if not rows:
+            self._reqs = None
+            return
+        try:
+            bg = np.random.mtrand._rand._bit_generator  # what np.random.randint draws from
+            if self._bitgen is None or self._bitgen[0] is not bg:
+                import ctypes
+
+                c = bg.ctypes
+                self._bitgen = (bg, ctypes.cast(c.next_uint64, ctypes.c_void_p).value, c.state_address)
+            _, next_u64, state = self._bitgen
+            k, i, cursor = len(rows), 0, 0
+            with bg.lock:
+                while i < k:
+                    start = i
+                    i, n_pen, cursor = _P.sp_write(
+                        id(rows), id(sps), k, i, cursor, self._n_read, self._ctx_addr, next_u64, state
+                    )
+                    self.written += i - start
+                    if n_pen:
+                        self._pen_rows.extend(self._pen[:n_pen].tolist())
+                    if i < k:
+                        self._orig_add_request(rows[i], sps[i])
+                        self.by_vllm += 1
+                        i += 1
+        finally:
+            rows.clear()
+            sps.clear()
+            self._reqs = None
+
+
+_WHAT = {
+    _P.SPR_MISSING: "cannot be read",
+    _P.SPR_TYPE: "is of a type it does not take",
+    _P.SPR_NOT_FINITE: "is not finite",
+    _P.SPR_RANGE: "is out of range",
+}
+
+
+def _bad_params(req, status: int, field: int) -> InvalidStepError:
+    rid = getattr(req, "req_id", "?")
+    name = "sampling_params" if field == 0 else f"sampling_params.{_P.SP_NAMES[field]}"
+    try:
+        value = repr(getattr(req.sampling_params, _P.SP_NAMES[field])) if field else ""
+    except Exception as e:  # noqa: BLE001  (the message names what failed)
+        value = f"({type(e).__name__}: {e})"
+    return InvalidStepError(f"new request {rid!r}: {name} {_WHAT[status]}" + (f": {value[:80]}" if value else ""))
+
+
 def attach(state, sampler) -> SamplerAnswers | None:
     """Bind the answering wrappers on ``sampler`` (vLLM's ``Sampler``) for
     mtpstate's ``state`` (a ``ModelRunnerV2State``), or leave it alone and
@@ -169,6 +349,7 @@ def attach(state, sampler) -> SamplerAnswers | None:
     if unsupported_reason(sampler, R) is not None or not _methods_known():
         return None
     a = SamplerAnswers(sampler, R)
+    a.writer = None if _writer_reason(sampler) is not None else SamplingParamsWriter(sampler, R, sampler.add_request)
     _bind(sampler, a)
     return a
 
@@ -194,9 +375,22 @@ def _bind(sampler, a: SamplerAnswers) -> None:
 
     orig_add_request = sampler.add_request
 
+    w = a.writer
+
     def add_request(req_idx, sampling_params):
         a.idx = None  # the rows' values change: the answers are recomputed with the next batch
+        if w is not None:
+            if w.note(req_idx, sampling_params):
+                return None
+            w.flush()  # (in order with any noted before)
         return orig_add_request(req_idx, sampling_params)
+
+    orig_apply_staged_writes = sampler.apply_staged_writes
+
+    def apply_staged_writes():
+        if w is not None:
+            w.flush()
+        return orig_apply_staged_writes()
 
     orig_get_logprobs_dims = sampler.get_logprobs_dims
 
@@ -342,6 +536,7 @@ def _bind(sampler, a: SamplerAnswers) -> None:
         return a.max_num_token_ids
 
     sampler.add_request = add_request
+    sampler.apply_staged_writes = apply_staged_writes
     sampler.get_logprobs_dims = get_logprobs_dims
     sampler.apply_sampling_params = apply_sampling_params
     ss.any_greedy = any_greedy
