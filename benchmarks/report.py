@@ -161,8 +161,10 @@ def runner_table(results: list[dict] | None = None) -> str:
         f"| off: {' / '.join(phases)}, us | on: the same, us "
         "| input preparation (gather + prepare_inputs + prepare_attn): off vs on, us, paired median (p10-p90) "
         "| the sampler's per-step questions: off vs on, us, paired median (p10-p90) "
+        "| bookkeeping with the sampler (all but prepare_inputs / prepare_attn): off vs on, us, paired median "
+        "(p10-p90) "
         "| torch ops off | torch ops on | launches off | launches on |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     key = lambda r: (RUNNER_ORDER.index(r["workload"].split("-")[0]), _n(r["workload"]))  # noqa: E731
     for r in sorted(results, key=key):
@@ -173,7 +175,7 @@ def runner_table(results: list[dict] | None = None) -> str:
         )
         for side in ("vllm", "mtpstate"):
             cells.append(" / ".join(f"{ph[side][k]:.0f}" for k in phases))
-        for ip in (r["input_preparation"], r.get("sample_questions")):
+        for ip in (r["input_preparation"], r.get("sample_questions"), r.get("bookkeeping_and_sampler")):
             cells.append(
                 "-"
                 if ip is None

@@ -125,9 +125,11 @@ def test_sampling_params_nojit():
     from test_sampling_params import (
         test_seed_draw_matches_numpy_at_its_edges,
         test_unreadable_params_are_reported,
+        test_uploads_fill_each_slot_with_what_changed_since_it_was_filled,
         test_writes_equal_vllms_add_request,
     )
 
     test_writes_equal_vllms_add_request()
     test_seed_draw_matches_numpy_at_its_edges()
     test_unreadable_params_are_reported()
+    test_uploads_fill_each_slot_with_what_changed_since_it_was_filled()

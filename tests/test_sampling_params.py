@@ -278,3 +278,46 @@ def test_seed_draw_matches_numpy_at_its_edges():
     fp = ctypes.cast(fn, ctypes.c_void_p).value
     assert s.write(range(5), fn=fp, state=0) == (5, [], 5)
     assert s.t["seeds"][:5].tolist() == [I64_MIN, -1, 0, 2**63 - 2, I64_MIN + 5]
+
+
+def _upload_ctx(srcs, slots, R, D):
+    T = len(srcs)
+    o_src, o_size, o_slots, o_count, o_full, o_rows, total = P._layout(T, D)
+    rows = np.zeros((D, R), np.int64)
+    ctx = np.zeros(total, np.int64)
+    ctx[P.U_T], ctx[P.U_D], ctx[P.U_R] = T, D, R
+    ctx[o_src : o_src + T] = [a.ctypes.data for a in srcs]
+    ctx[o_size : o_size + T] = [a.itemsize for a in srcs]
+    ctx[o_slots : o_slots + T * D] = [b.ctypes.data for s in slots for b in s]
+    ctx[o_rows : o_rows + D] = [rows[b].ctypes.data for b in range(D)]
+    return ctx, rows
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.lists(st.lists(st.integers(0, R - 1), max_size=R + 3), max_size=12), st.sampled_from([2, 3]))
+def test_uploads_fill_each_slot_with_what_changed_since_it_was_filled(steps, D):
+    # the model: vLLM's pool copies the whole array into its next slot each
+    # time; here only rows written since that slot was last filled, and no
+    # rotation when nothing was written; either way the current slot equals
+    # the array and a slot in use by an earlier upload is left alone
+    srcs = [np.zeros(R, np.float32), np.zeros(R, np.int64), np.zeros(R, np.int32)]
+    slots = [[np.zeros(R, a.dtype) for _ in range(D)] for a in srcs]
+    ctx, _ = _upload_ctx(srcs, slots, R, D)
+    curr, history = 0, [0]
+    for k, rows in enumerate(steps):
+        for a in srcs:
+            a[rows] = k + 1
+        P.sp_mark(ctx.ctypes.data, id(rows), len(rows))
+        if rows:
+            before = [[b.copy() for b in s] for s in slots]
+            b = P.sp_upload(ctx.ctypes.data)
+            assert b == (curr + 1) % D
+            for t, a in enumerate(srcs):
+                np.testing.assert_array_equal(slots[t][b], a)
+                for c in range(D):  # (the other slots untouched)
+                    if c != b:
+                        np.testing.assert_array_equal(slots[t][c], before[t][c])
+            curr = b
+        else:
+            assert ctx[P.U_PENDING] == 0  # (nothing written: nothing to upload)
+        history.append(curr)

@@ -363,4 +363,6 @@ def run_runner_differential(w: Workload, model_dir: str, deferred: bool = False,
         res["ops_per_step"] = dict(per_step)
     if sampler and answers.writer is not None:
         res["sampler_params_written"], res["sampler_params_by_vllm"] = answers.writer.written, answers.writer.by_vllm
+        up = answers.writer.uploads
+        res["sampler_uploads"] = None if up is None else up.uploads
     return res

@@ -74,9 +74,26 @@ def _drop_last_new_params() -> None:
     SamplingParamsWriter.flush = stale
 
 
-# negative controls of mtpstate's answers to vLLM's sampler and of its
-# writes of new requests' sampling params
-SAMPLER_SABOTAGE = {"sampler-stale-row": _skip_last_sampler_row, "sampler-params-row": _drop_last_new_params}
+def _upload_one_row_less() -> None:
+    # the last written row of a step never marked for upload (the device
+    # side keeps its previous values)
+    from mtpstate.integrations.vllm.sampler import SamplerUploads
+
+    mark = SamplerUploads.mark
+
+    def stale(self, rows):
+        mark(self, rows[:-1])
+
+    SamplerUploads.mark = stale
+
+
+# negative controls of mtpstate's answers to vLLM's sampler, of its writes
+# of new requests' sampling params, and of their upload
+SAMPLER_SABOTAGE = {
+    "sampler-stale-row": _skip_last_sampler_row,
+    "sampler-params-row": _drop_last_new_params,
+    "sampler-upload-row": _upload_one_row_less,
+}
 
 
 def sabotage(kind: str) -> None:

@@ -17,7 +17,20 @@ JIT_DISABLED = os.environ.get("NUMBA_DISABLE_JIT", "0") not in ("", "0")
 
 # the kernels the Python side calls; every other kernel is called by kernels only
 ENTRY_KERNELS = frozenset(
-    {"tb_apply", "ix_find", "ix_insert", "ix_remove", "ix_rehash", "tok_fill", "sp_answers", "sp_read", "sp_write"}
+    {
+        "tb_apply",
+        "ix_find",
+        "ix_insert",
+        "ix_remove",
+        "ix_rehash",
+        "tok_fill",
+        "sp_answers",
+        "sp_read",
+        "sp_write",
+        "sp_mark",
+        "sp_upload",
+        "_layout",
+    }
 )
 
 

@@ -362,3 +362,89 @@ def _draw_seed(next_u64, bitgen):
     if v == np.uint64(0):
         return _INT64_MIN
     return -np.int64(half - v)  # [-2**63 + 1, 0)
+
+
+# ----------------------------------------------------------------------------
+# uploads: the written arrays' rows into the engine's round-robin pinned
+# buffers (vLLM's UvaBufferPool, D slots that the device reads in place), only
+# the rows written since a slot was last filled, all arrays in one call
+
+# the upload context (int64): then, per array, its source, element size and
+# its D slots' addresses; per slot, its dirty-row count, a "copy it all"
+# flag and its dirty rows' buffer ([R] each)
+U_T, U_D, U_R, U_CURR, U_PENDING = range(5)
+U_HEAD = 5
+
+
+@jit
+def sp_mark(u_addr, rows, k):
+    """Rows ``rows`` (an exact list of ``k`` ints in [0, R)) were written:
+    dirty in every slot."""
+    if k == 0:
+        return
+    head = view_i64(u_addr, U_HEAD)
+    T, D, R = head[U_T], head[U_D], head[U_R]
+    o_src, o_size, o_slots, o_count, o_full, o_rows, total = _layout(T, D)
+    u = view_i64(u_addr, total)
+    items = load_i64(rows + 24)
+    for b in range(D):
+        if u[o_full + b] != 0:
+            continue
+        n = u[o_count + b]
+        if n + k > R:
+            u[o_full + b] = 1
+            continue
+        dirty = view_i64(u[o_rows + b], R)
+        for j in range(k):
+            r, ok = int_value(load_i64(items + 8 * j))
+            if not ok or r < 0 or r >= R:
+                u[o_full + b] = 1
+                break
+            dirty[n] = r
+            n += 1
+        u[o_count + b] = n
+    u[U_PENDING] = 1
+
+
+@jit
+def sp_upload(u_addr):
+    """Fill the next slot of every array: the rows dirty for it (or all),
+    then it is current. Returns the slot."""
+    head = view_i64(u_addr, U_HEAD)
+    T, D, R = head[U_T], head[U_D], head[U_R]
+    o_src, o_size, o_slots, o_count, o_full, o_rows, total = _layout(T, D)
+    u = view_i64(u_addr, total)
+    b = (u[U_CURR] + 1) % D
+    n, full = u[o_count + b], u[o_full + b]
+    dirty = view_i64(u[o_rows + b], R)
+    for t in range(T):
+        src, dst, size = u[o_src + t], u[o_slots + t * D + b], u[o_size + t]
+        if full != 0:
+            view_u8(dst, R * size)[:] = view_u8(src, R * size)
+        elif size == 4:
+            s4, d4 = view_i32(src, R), view_i32(dst, R)
+            for i in range(n):
+                d4[dirty[i]] = s4[dirty[i]]
+        else:
+            s8, d8 = view_i64(src, R), view_i64(dst, R)
+            for i in range(n):
+                d8[dirty[i]] = s8[dirty[i]]
+    u[o_count + b] = 0
+    u[o_full + b] = 0
+    u[U_CURR] = b
+    # (the other slots keep their dirty rows: filled when their turn comes;
+    # until the next write, slot b is current and nothing needs uploading)
+    u[U_PENDING] = 0
+    return b
+
+
+@jit(signature="UniTuple(int64, 7)(int64, int64)")
+def _layout(T, D):
+    """Offsets in the upload context: (src, size, slots, count, full, rows, total)."""
+    src = U_HEAD
+    size = src + T
+    slots = size + T
+    count = slots + T * D
+    full = count + D
+    rows = full + D
+    return src, size, slots, count, full, rows, rows + D

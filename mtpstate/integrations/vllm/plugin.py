@@ -128,6 +128,13 @@ SAMPLER_COMPUTED: dict[str, dict[str, dict[str, str]]] = {
             "LogprobTokenIdsState.add_request": "2fa93c33c57286e7",
             "LogprobTokenIdsState.max_num_token_ids": "db603214bd05ea8d",
         },
+        # the UVA pools whose slots the written rows are uploaded into
+        "vllm.v1.worker.gpu.buffer_utils": {
+            "UvaBackedTensor.__init__": "dd7a373319a883c3",
+            "UvaBackedTensor.copy_to_uva": "b216fe950776b18c",
+            "UvaBufferPool._next_buf": "c013dc1874f16bc4",
+            "UvaBufferPool.copy_to_uva": "d23daac4f9032095",
+        },
     },
 }
 

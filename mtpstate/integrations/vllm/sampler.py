@@ -213,6 +213,118 @@ def _targets(sampler):
     )
 
 
+def _uva_tensors(sampler):
+    # the UvaBackedTensors among the writer's targets (its other targets are
+    # host-only arrays)
+    ss, pen, lpt = sampler.sampling_states, sampler.penalties_state, sampler.logprob_token_ids_state
+    lb, bw = _builtin_processors(sampler)
+    return (
+        ss.temperature,
+        ss.top_k,
+        ss.top_p,
+        ss.min_p,
+        ss.seeds,
+        pen.repetition_penalty,
+        pen.frequency_penalty,
+        pen.presence_penalty,
+        lb.num_allowed_token_ids,
+        lb.num_logit_bias,
+        lb.min_lens,
+        lb.num_stop_token_ids,
+        lb.restore_when_all_masked,
+        bw.num_bad_words,
+        lpt.num_token_ids,
+    )
+
+
+_UVA_BUFFERS = {("vllm.v1.worker.gpu.buffer_utils", "UvaBuffer"), ("vllm.v1.worker.cpu.buffer_utils", "UvaBuffer")}
+
+
+def _uploads_reason(uvas, R: int) -> str | None:
+    depths = set()
+    for u in uvas:
+        pool = getattr(u, "pool", None)
+        bufs = getattr(pool, "_uva_bufs", None)
+        if not isinstance(bufs, list) or not bufs or not isinstance(getattr(u, "np", None), np.ndarray):
+            return "a sampler array without vLLM's UvaBufferPool"
+        depths.add(len(bufs))
+        for b in bufs:
+            if (type(b).__module__, type(b).__qualname__) not in _UVA_BUFFERS:
+                return f"the sampler's buffers are {type(b).__qualname__}s (explicit copies), not UVA buffers"
+            if b.np.shape != (R,) or b.np.dtype != u.np.dtype or u.np.shape != (R,) or not u.np.flags.c_contiguous:
+                return "a sampler array's buffers are not of its size"
+    if len(depths) != 1:
+        return "the sampler's arrays have pools of different depths"
+    return None
+
+
+class SamplerUploads:
+    """The written sampler arrays' device side (vLLM's UVA buffers, read in
+    place by its kernels) kept current by rows: ``copy_to_uva`` of each (one
+    whole-array copy per array in vLLM's ``apply_staged_writes``) becomes one
+    kernel call for all of them that copies, into each array's next pool
+    slot, only the rows written since that slot was last filled (and
+    nothing when no row was written). The slots rotate as vLLM's pool
+    rotates them, so a step in flight keeps reading its own."""
+
+    def __init__(self, uvas, R: int):
+        D = len(uvas[0].pool._uva_bufs)
+        T = len(uvas)
+        self._uvas = uvas
+        self._pools = [u.pool for u in uvas]
+        self._views = [[b.uva() for b in u.pool._uva_bufs] for u in uvas]  # [T][D]: each slot's device view
+        o_src, o_size, o_slots, o_count, o_full, o_rows, total = _P._layout(T, D)
+        self._rows = np.zeros((D, R), np.int64)  # per slot: the rows written since it was filled
+        ctx = np.zeros(total, np.int64)
+        ctx[_P.U_T], ctx[_P.U_D], ctx[_P.U_R] = T, D, R
+        ctx[o_src : o_src + T] = [u.np.ctypes.data for u in uvas]
+        ctx[o_size : o_size + T] = [u.np.itemsize for u in uvas]
+        ctx[o_slots : o_slots + T * D] = [b.np.ctypes.data for u in uvas for b in u.pool._uva_bufs]
+        ctx[o_rows : o_rows + D] = [self._rows[b].ctypes.data for b in range(D)]
+        self._ctx = ctx
+        self._addr = ctx.ctypes.data
+        # every slot holds the arrays now (nothing is in flight yet); slot 0 is current
+        for t, u in enumerate(uvas):
+            for b in u.pool._uva_bufs:
+                b.np[:] = u.np
+            u.pool._curr = 0
+            u.gpu = self._views[t][0]
+            u.copy_to_uva = _Uploaded(self, u)
+        self.uploads = 0  # slots filled (stats, tests)
+
+    def mark(self, rows: list) -> None:
+        """These rows (a list of ints) were written."""
+        _P.sp_mark(self._addr, id(rows), len(rows))
+
+    def upload(self) -> None:
+        """Every array's device side current (nothing to do where no row was
+        written since the last upload)."""
+        if not self._ctx[_P.U_PENDING]:
+            return
+        b = _P.sp_upload(self._addr)
+        for t, u in enumerate(self._uvas):
+            self._pools[t]._curr = b  # (as vLLM's pool rotates)
+            u.gpu = self._views[t][b]
+        self.uploads += 1
+
+
+class _Uploaded:
+    """``UvaBackedTensor.copy_to_uva`` of an array :class:`SamplerUploads`
+    keeps current: the upload (if any row was written), then its device
+    side."""
+
+    __slots__ = ("_uploads", "_uva")
+
+    def __init__(self, uploads, uva):
+        self._uploads = uploads
+        self._uva = uva
+
+    def __call__(self, n=None):
+        self._uploads.upload()
+        gpu = self._uva.gpu
+        return gpu if n is None else gpu[:n]
+
+
 # the attribute names sp_read reads (interned: the kernel has their addresses)
 _NAMES = tuple(sys.intern(n) for n in _P.SP_NAMES)
 
@@ -259,6 +371,7 @@ class SamplingParamsWriter:
         self._bitgen = None
         self.written = 0  # requests written here (stats, tests)
         self.by_vllm = 0  # requests handed to vLLM's add_request
+        self.uploads = None  # SamplerUploads: the written rows to the device side
 
     def read(self, new_reqs) -> None:
         """Read and check the step's new requests' sampling params."""
@@ -317,6 +430,8 @@ class SamplingParamsWriter:
                         self.by_vllm += 1
                         i += 1
         finally:
+            if self.uploads is not None:
+                self.uploads.mark(rows)  # (written here or by vLLM's add_request)
             rows.clear()
             sps.clear()
             self._reqs = None
@@ -350,6 +465,10 @@ def attach(state, sampler) -> SamplerAnswers | None:
         return None
     a = SamplerAnswers(sampler, R)
     a.writer = None if _writer_reason(sampler) is not None else SamplingParamsWriter(sampler, R, sampler.add_request)
+    if a.writer is not None:
+        uvas = _uva_tensors(sampler)
+        if _uploads_reason(uvas, R) is None:
+            a.writer.uploads = SamplerUploads(uvas, R)
     _bind(sampler, a)
     return a
 
@@ -383,6 +502,11 @@ def _bind(sampler, a: SamplerAnswers) -> None:
             if w.note(req_idx, sampling_params):
                 return None
             w.flush()  # (in order with any noted before)
+            if w.uploads is not None:
+                try:
+                    return orig_add_request(req_idx, sampling_params)
+                finally:
+                    w.uploads.mark([int(req_idx)] if 0 <= req_idx < w._R else list(range(w._R)))
         return orig_add_request(req_idx, sampling_params)
 
     orig_apply_staged_writes = sampler.apply_staged_writes

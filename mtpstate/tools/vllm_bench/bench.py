@@ -186,6 +186,7 @@ def _bench(w, model_dir, repeats, device):
 
 PHASES = ("finish", "add", "update", "gather", "prepare_inputs", "prepare_attn", "sample")
 INPUT_PHASES = ("gather", "prepare_inputs", "prepare_attn")  # input preparation
+BOOK = [0, 1, 2, 3, 6]  # finish, add, update, gather, sample: bookkeeping with the sampler
 
 
 def _timed_host_step(sub, so, out, sync):
@@ -277,6 +278,11 @@ def _bench_runner(w, model_dir, repeats, device, sampler=True):
         # "add" (vLLM's on both sides), its per-step questions are "sample"
         "sampler": sampler,
         "sample_questions": _paired(off[:, 6], on[:, 6]) if sampler else None,
+        # the request-state bookkeeping with the sampler's share: finish, add
+        # (with the sampler's add_request / apply_staged_writes), update,
+        # gather, the sampler's questions (everything but prepare_inputs /
+        # prepare_attn)
+        "bookkeeping_and_sampler": _paired(off[:, BOOK].sum(axis=1), on[:, BOOK].sum(axis=1)) if sampler else None,
         "torch_ops": ops,
     }
 
