@@ -48,7 +48,10 @@ class Driver:
         rid = f"cmpl-{self.n}-{suffix}" if not w.unicode_ids else f"請求-{self.n}-é-{suffix}"
         self.n += 1
         mix = sampling_kwargs(self.sampling_rng, self.n)
-        sp = self.SamplingParams(max_tokens=rng.randint(*max_tokens), ignore_eos=True, **mix)
+        n_max = rng.randint(*max_tokens)
+        if "min_tokens" in mix:  # (vLLM requires min_tokens <= max_tokens)
+            mix["min_tokens"] = min(mix["min_tokens"], n_max)
+        sp = self.SamplingParams(max_tokens=n_max, ignore_eos=True, **mix)
         if rng.random() < w.prompt_embeds:
             import torch
 

@@ -75,7 +75,7 @@ VOCAB = TINY_LLAMA["vocab_size"]
 SAMPLING_MIX = (
     (0.26, {"temperature": 0.0}),
     (0.02, {"min_tokens": 3}),
-    (0.02, {"min_tokens": 2, "stop_token_ids": [2, 9]}),
+    (0.02, {"min_tokens": 2, "stop_token_ids": [2]}),  # (2: EOS, which the fake model never samples)
     (0.03, {"logit_bias": {7: 2.0, 11: -1.0}}),
     (0.02, {"temperature": 0.6, "allowed_token_ids": [3, 4, 5, 6, 7, 8]}),
     (0.25, {"temperature": 0.7, "top_p": 0.9}),
