@@ -146,55 +146,25 @@ def view_u8(addr, n):
     return _py_view(ctypes.c_uint8, addr, n)
 
 
-def _make_ptr_intrinsic(nbtype, bits):
+def _make_ptr_intrinsic(nbtype, lltype):
     @intrinsic
     def _ptr(typingctx, addr):
         sig = types.CPointer(nbtype)(types.int64)
 
         def codegen(context, builder, signature, args):
-            return builder.inttoptr(args[0], ir.IntType(bits).as_pointer())
+            return builder.inttoptr(args[0], lltype.as_pointer())
 
         return sig, codegen
 
     return _ptr
 
 
-_ptr_i32 = _make_ptr_intrinsic(types.int32, 32)
-_ptr_i64 = _make_ptr_intrinsic(types.int64, 64)
-_ptr_u64 = _make_ptr_intrinsic(types.uint64, 64)
-_ptr_u8 = _make_ptr_intrinsic(types.uint8, 8)
-
-
-def _make_ptr_f32_intrinsic():
-    @intrinsic
-    def _ptr(typingctx, addr):
-        sig = types.CPointer(types.float32)(types.int64)
-
-        def codegen(context, builder, signature, args):
-            return builder.inttoptr(args[0], ir.FloatType().as_pointer())
-
-        return sig, codegen
-
-    return _ptr
-
-
-_ptr_f32 = _make_ptr_f32_intrinsic()
-
-
-def _make_ptr_f64_intrinsic():
-    @intrinsic
-    def _ptr(typingctx, addr):
-        sig = types.CPointer(types.float64)(types.int64)
-
-        def codegen(context, builder, signature, args):
-            return builder.inttoptr(args[0], ir.DoubleType().as_pointer())
-
-        return sig, codegen
-
-    return _ptr
-
-
-_ptr_f64 = _make_ptr_f64_intrinsic()
+_ptr_i32 = _make_ptr_intrinsic(types.int32, ir.IntType(32))
+_ptr_i64 = _make_ptr_intrinsic(types.int64, ir.IntType(64))
+_ptr_u64 = _make_ptr_intrinsic(types.uint64, ir.IntType(64))
+_ptr_u8 = _make_ptr_intrinsic(types.uint8, ir.IntType(8))
+_ptr_f32 = _make_ptr_intrinsic(types.float32, ir.FloatType())
+_ptr_f64 = _make_ptr_intrinsic(types.float64, ir.DoubleType())
 
 
 @overload(view_i32)

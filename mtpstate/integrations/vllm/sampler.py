@@ -528,7 +528,16 @@ def _bind(sampler, a: SamplerAnswers) -> None:
 
     orig_apply_sampling_params = sampler.apply_sampling_params
 
-    def apply_sampling_params(
+    def apply_sampling_params(logits, expanded_idx_mapping, idx_mapping, idx_mapping_np, *args, **kwargs):
+        if idx_mapping_np is not a.idx:
+            return orig_apply_sampling_params(
+                logits, expanded_idx_mapping, idx_mapping, idx_mapping_np, *args, **kwargs
+            )
+        if not a.flags & _K.SP_NEEDS_PROCESSING:
+            return logits
+        return processed(logits, expanded_idx_mapping, idx_mapping, idx_mapping_np, *args, **kwargs)
+
+    def processed(
         logits,
         expanded_idx_mapping,
         idx_mapping,
@@ -539,20 +548,6 @@ def _bind(sampler, a: SamplerAnswers) -> None:
         seq_lens_upper_bound_np,
         skip_top_k_top_p=False,
     ):
-        if idx_mapping_np is not a.idx:
-            return orig_apply_sampling_params(
-                logits,
-                expanded_idx_mapping,
-                idx_mapping,
-                idx_mapping_np,
-                pos,
-                input_ids,
-                expanded_local_pos,
-                seq_lens_upper_bound_np,
-                skip_top_k_top_p,
-            )
-        if not a.flags & _K.SP_NEEDS_PROCESSING:
-            return logits
         # vLLM's body after its check (the processors' own checks answered below)
         logits = torch.empty_like(logits, dtype=torch.float32).copy_(logits)
         ctx = logits_context(
