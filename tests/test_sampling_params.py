@@ -321,3 +321,34 @@ def test_uploads_fill_each_slot_with_what_changed_since_it_was_filled(steps, D):
         else:
             assert ctx[P.U_PENDING] == 0  # (nothing written: nothing to upload)
         history.append(curr)
+
+
+class _Slotted:
+    # fields as slots, as a msgspec Struct holds them (read in place)
+    __slots__ = tuple(P.SP_NAMES[1:])
+
+    def __init__(self, **kw):
+        for k, v in vars(params(**kw)).items():
+            setattr(self, k, v)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(PARAMS, min_size=1, max_size=R))
+def test_fields_read_in_place_from_slots_equal_getattr(sps):
+    from mtpstate.integrations.vllm.sampler import _slot_offset
+
+    slotted = [_Slotted(**vars(sp)) for sp in sps]
+    offs = [-1] + [_slot_offset(_Slotted, slotted[0], n) for n in P.SP_NAMES[1:]]
+    assert min(offs[1:]) >= 16  # (every field found as a slot)
+    a, b = Stash(), Stash()
+    b.ctx[P.C_FAST] = id(_Slotted)
+    b.ctx[P.C_OFFS : P.C_OFFS + P.N_NAMES] = offs
+    ra = [SimpleNamespace(req_id=f"r{i}", sampling_params=sp) for i, sp in enumerate(sps)]
+    rb = [SimpleNamespace(req_id=f"r{i}", sampling_params=sp) for i, sp in enumerate(slotted)]
+    assert a.read(ra) == b.read(rb) == (P.SPR_OK, 0, 0)
+    n = len(sps)
+    np.testing.assert_array_equal(a.f[:n], b.f[:n])
+    np.testing.assert_array_equal(a.i[:n], b.i[:n])
+    # an unset slot is an attribute that cannot be read
+    del slotted[-1].min_p
+    assert b.read(rb) == (P.SPR_MISSING, n - 1, P.SP_NAMES.index("min_p"))

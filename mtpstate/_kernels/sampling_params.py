@@ -162,7 +162,11 @@ C_TARGETS = N_NAMES + 9
 C_PEN = C_TARGETS + N_TARGETS
 C_R = C_PEN + 1
 C_VOCAB = C_R + 1
-C_SIZE = C_VOCAB + 1
+# a params type whose fields are slots (a msgspec Struct's, vLLM's
+# SamplingParams): its address, then each name's slot offset (-1: getattr)
+C_FAST = C_VOCAB + 1
+C_OFFS = C_FAST + 1
+C_SIZE = C_OFFS + N_NAMES
 
 
 @jit
@@ -187,7 +191,9 @@ def sp_read(reqs, n, ctx_addr):
             _drop(exc)
             return SPR_MISSING, i, 0
         sps[i] = sp
-        st, field = _read_one(sp, names, tp, list_type, dict_type, fs, ints, i)
+        offs = ctx[C_OFFS : C_OFFS + N_NAMES]
+        fast = sp != tp[2] and load_i64(sp + OFF_TYPE) == ctx[C_FAST]
+        st, field = _read_one(sp, names, offs, fast, tp, list_type, dict_type, fs, ints, i)
         decref(sp)  # (the request holds it)
         if st != SPR_OK:
             return st, i, field
@@ -203,19 +209,29 @@ def _drop(exc):
 
 
 @jit
-def _read_one(sp, names, tp, list_type, dict_type, fs, ints, i):
-    """One request's values into row ``i`` of the stash: (status, field)."""
+def _read_one(sp, names, offs, fast, tp, list_type, dict_type, fs, ints, i):
+    """One request's values into row ``i`` of the stash: (status, field).
+    ``fast``: its type's fields are slots at ``offs`` (read in place, a
+    borrowed reference; an empty slot is an unset attribute); other fields
+    and types through getattr."""
     if sp == tp[2]:
         ints[i * I_COLS + I_KIND] = SP_NONE
         return SPR_OK, 0
     kind = SP_PLAIN
     for h in range(1, N_NAMES):
-        v, exc = getattr_held(sp, names[h])
-        if v == 0:
-            _drop(exc)
-            return SPR_MISSING, h
-        st = _read_field(h, v, tp, list_type, dict_type, fs, ints, i)
-        decref(v)  # (read: the params object holds it, or it was computed for us)
+        off = offs[h] if fast else -1
+        if off >= 0:
+            v = load_i64(sp + off)
+            if v == 0:
+                return SPR_MISSING, h
+            st = _read_field(h, v, tp, list_type, dict_type, fs, ints, i)
+        else:
+            v, exc = getattr_held(sp, names[h])
+            if v == 0:
+                _drop(exc)
+                return SPR_MISSING, h
+            st = _read_field(h, v, tp, list_type, dict_type, fs, ints, i)
+            decref(v)  # (read: the params object holds it, or it was computed for us)
         if st == -1:
             kind = SP_SPECIAL
         elif st != SPR_OK:

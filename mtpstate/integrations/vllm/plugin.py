@@ -128,6 +128,8 @@ SAMPLER_COMPUTED: dict[str, dict[str, dict[str, str]]] = {
             "LogprobTokenIdsState.add_request": "2fa93c33c57286e7",
             "LogprobTokenIdsState.max_num_token_ids": "db603214bd05ea8d",
         },
+        # (read as its field _bad_words_token_ids, which it returns)
+        "vllm.sampling_params": {"SamplingParams.bad_words_token_ids": "743c21e622d4fd8a"},
         # the UVA pools whose slots the written rows are uploaded into
         "vllm.v1.worker.gpu.buffer_utils": {
             "UvaBackedTensor.__init__": "dd7a373319a883c3",

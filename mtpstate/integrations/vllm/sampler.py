@@ -368,6 +368,7 @@ class SamplingParamsWriter:
         self._armed = False
         self._reqs = None  # the step's new requests (held: the stash has their params' addresses)
         self._n_read = 0
+        self._fast_type = None
         self._bitgen = None
         self.written = 0  # requests written here (stats, tests)
         self.by_vllm = 0  # requests handed to vLLM's add_request
@@ -381,11 +382,34 @@ class SamplingParamsWriter:
         if n > self._R:
             self._reqs = None
             return  # (the table refuses the step)
+        sp = getattr(reqs[0], "sampling_params", None) if n else None
+        if sp is not None and type(sp) is not self._fast_type:
+            self._set_fast_type(sp)
         st, i, field = _P.sp_read(id(reqs), n, self._ctx_addr)
         if st != _P.SPR_OK:
             self._reqs = None
             raise _bad_params(reqs[i], st, field)
         self._reqs, self._n_read = reqs, n
+
+    def _set_fast_type(self, sp) -> None:
+        # the slot offsets of the params type's fields (a msgspec Struct's
+        # members), each checked on this object: a field that is not a plain
+        # slot, or that does not read back as getattr does, is read by getattr
+        t = type(sp)
+        # vLLM's bad_words_token_ids is a property that returns the field
+        # _bad_words_token_ids (the guard checks that property's source)
+        prop = getattr(t, "bad_words_token_ids", None)
+        fget = getattr(prop, "fget", None)
+        vllms = (getattr(fget, "__module__", None), getattr(fget, "__qualname__", None)) == (
+            "vllm.sampling_params",
+            "SamplingParams.bad_words_token_ids",
+        )
+        alias = {"bad_words_token_ids": "_bad_words_token_ids"} if isinstance(prop, property) and vllms else {}
+        offs = [_slot_offset(t, sp, alias.get(name, name)) for name in _NAMES]
+        offs[0] = -1  # (sampling_params is the request's attribute)
+        self._ctx[_P.C_FAST] = id(t)
+        self._ctx[_P.C_OFFS : _P.C_OFFS + _P.N_NAMES] = offs
+        self._fast_type = t
 
     def arm(self) -> None:
         """The step was applied: the add loop's add_request calls are noted
@@ -435,6 +459,42 @@ class SamplingParamsWriter:
             rows.clear()
             sps.clear()
             self._reqs = None
+
+
+# CPython's member descriptor (Objects/descrobject.c): PyDescr_COMMON
+# (header 16, d_type, d_name, d_qualname), then ``PyMemberDef *d_member``;
+# PyMemberDef: name, type (int), offset (Py_ssize_t), ...
+_D_MEMBER = 40
+_M_TYPE, _M_OFFSET = 8, 16
+_T_OBJECT_EX = 16  # a slot whose NULL is an unset attribute
+
+
+def _slot_offset(t, obj, name: str) -> int:
+    import ctypes
+
+    for klass in t.__mro__:
+        desc = klass.__dict__.get(name)
+        if desc is not None:
+            break
+    else:
+        return -1
+    if type(desc).__name__ != "member_descriptor" or type(desc) is not type(type.__dict__["__dictoffset__"]):
+        return -1
+    try:
+        member = ctypes.c_void_p.from_address(id(desc) + _D_MEMBER).value
+        if not member or ctypes.string_at(ctypes.c_void_p.from_address(member).value) != name.encode():
+            return -1
+        if ctypes.c_int.from_address(member + _M_TYPE).value != _T_OBJECT_EX:
+            return -1
+        off = ctypes.c_ssize_t.from_address(member + _M_OFFSET).value
+        if not 16 <= off < t.__basicsize__:
+            return -1
+        slot = ctypes.c_void_p.from_address(id(obj) + off).value
+        if slot != id(getattr(obj, name)):  # (it reads back as getattr does)
+            return -1
+    except Exception:  # noqa: BLE001  (any doubt: getattr)
+        return -1
+    return off
 
 
 _WHAT = {

@@ -51,7 +51,10 @@ class Driver:
         n_max = rng.randint(*max_tokens)
         if "min_tokens" in mix:  # (vLLM requires min_tokens <= max_tokens)
             mix["min_tokens"] = min(mix["min_tokens"], n_max)
+        bad_words = mix.pop("_bad_words_token_ids", None)
         sp = self.SamplingParams(max_tokens=n_max, ignore_eos=True, **mix)
+        if bad_words is not None:
+            sp._bad_words_token_ids = bad_words
         if rng.random() < w.prompt_embeds:
             import torch
 

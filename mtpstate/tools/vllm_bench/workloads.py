@@ -71,9 +71,12 @@ VOCAB = TINY_LLAMA["vocab_size"]
 # top-k with a seed, logprobs (and -1: the whole vocabulary), an out-of-range
 # top_k (vLLM uses the vocabulary), min-p, penalties, logit bias, allowed
 # token ids and min_tokens with and without stop tokens (vLLM's logit-bias
-# processor).
+# processor), logprob token ids, bad words (as token ids, as vLLM's
+# tokenizer step sets them).
 SAMPLING_MIX = (
-    (0.26, {"temperature": 0.0}),
+    (0.22, {"temperature": 0.0}),
+    (0.02, {"logprob_token_ids": [3, 4]}),
+    (0.02, {"temperature": 0.8, "_bad_words_token_ids": [[5, 6], [7]]}),  # (what vLLM's tokenizer step sets)
     (0.02, {"min_tokens": 3}),
     (0.02, {"min_tokens": 2, "stop_token_ids": [2]}),  # (2: EOS, which the fake model never samples)
     (0.03, {"logit_bias": {7: 2.0, 11: -1.0}}),
