@@ -297,7 +297,7 @@ _BAD_PARAMS = (
     r = MRV2Reference(w.max_num_seqs, w.max_model_len, w.max_num_batched_tokens, drv.block_sizes, w.num_spec,
                       use_mtpstate=True, sampler=True)
     cases = [("temperature", float("nan")), ("temperature", float("inf")), ("temperature", "0.7"),
-             ("seed", 2**63), ("logprobs", -2), ("top_k", None), ("missing", None)]
+             ("seed", 2**63), ("logprobs", -2), ("top_k", None), ("missing", None), ("reentrant", None)]
     tested = 0
     for so in drv.steps():
         quiet = not so.finished_req_ids and not so.preempted_req_ids
@@ -308,6 +308,15 @@ _BAD_PARAMS = (
             if field == "missing":
                 sp = req.sampling_params
                 req.sampling_params = SimpleNamespace(**{{k: getattr(sp, k) for k in ("temperature", "top_k")}})
+            elif field == "reentrant":
+                class Reenter:  # a property that re-enters the runner's step
+                    def __init__(self, sp, step):
+                        self.sp, self.step = sp, step
+                    def __getattr__(self, name):
+                        if name == "top_p":
+                            r.apply(self.step)
+                        return getattr(self.sp, name)
+                req.sampling_params = Reenter(req.sampling_params, pickle.loads(pickle.dumps(so)))
             else:
                 setattr(req.sampling_params, field, value)
             before = (r.state(), r.sampler_state(), dict(r.req_states.req_id_to_index))
@@ -328,12 +337,14 @@ _BAD_PARAMS = (
 def test_bad_sampling_params_are_refused_whole():
     """A new request whose sampling params cannot be written as vLLM would
     (NaN or inf temperature, a str, a seed outside int64, logprobs < -1, an
-    int field None, a missing attribute) makes the step raise
+    int field None, a missing attribute, a property that re-enters the
+    runner's step) makes the step raise
     InvalidStepError naming the request and the field, with nothing
     changed (request state, sampler arrays, vLLM's id map); the same step
     unchanged then applies."""
     p = _run(_BAD_PARAMS.format(here=HERE), env_on=False)
     cases = [ln for ln in p.stdout.splitlines() if ln.startswith("CASE")]
-    assert _lines(p, "TESTED") == "TESTED 7", p.stdout[-3000:]
+    assert _lines(p, "TESTED") == "TESTED 8", p.stdout[-3000:]
     for ln in cases:
         assert " True True True " in ln, ln
+    assert "re-entrant" in cases[-1], cases[-1]

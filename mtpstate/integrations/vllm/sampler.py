@@ -345,9 +345,13 @@ class SamplingParamsWriter:
     min_tokens, bad words, logprob token ids; or params other than the ones
     read), in their place in the order."""
 
-    def __init__(self, sampler, max_num_reqs: int, orig_add_request):
+    def __init__(self, sampler, max_num_reqs: int, orig_add_request, guard=None):
         R = max_num_reqs
         self._R = R
+        # the table's call guard: another thread waits, and a read re-entered
+        # from a params object's property raises instead of overwriting the
+        # stash of the read it interrupted
+        self._guard = guard
         self._orig_add_request = orig_add_request
         self._pen_rows = sampler.penalties_state._new_penalties_reqs  # vLLM's bincount list
         self._targets = tuple(a for a, _ in _targets(sampler))  # held: written by address
@@ -382,13 +386,22 @@ class SamplingParamsWriter:
         if n > self._R:
             self._reqs = None
             return  # (the table refuses the step)
-        sp = getattr(reqs[0], "sampling_params", None) if n else None
-        if sp is not None and type(sp) is not self._fast_type:
-            self._set_fast_type(sp)
-        st, i, field = _P.sp_read(id(reqs), n, self._ctx_addr)
-        if st != _P.SPR_OK:
+        g = self._guard
+        if g is not None:
+            g.enter()
+        try:
+            sp = getattr(reqs[0], "sampling_params", None) if n else None
+            if sp is not None and type(sp) is not self._fast_type:
+                self._set_fast_type(sp)
+            st, i, field = _P.sp_read(id(reqs), n, self._ctx_addr)
+            # (the message reads the value again: still under the guard)
+            err = None if st == _P.SPR_OK else _bad_params(reqs[i], st, field)
+        finally:
+            if g is not None:
+                g.exit()
+        if err is not None:
             self._reqs = None
-            raise _bad_params(reqs[i], st, field)
+            raise err
         self._reqs, self._n_read = reqs, n
 
     def _set_fast_type(self, sp) -> None:
@@ -424,6 +437,16 @@ class SamplingParamsWriter:
         self._sps.append(sampling_params)
         return True
 
+    def _write(self, rows, sps, k, i, cursor, next_u64, state):
+        g = self._guard
+        if g is not None:
+            g.enter()
+        try:
+            return _P.sp_write(id(rows), id(sps), k, i, cursor, self._n_read, self._ctx_addr, next_u64, state)
+        finally:
+            if g is not None:
+                g.exit()
+
     def flush(self) -> None:
         """Write the noted requests (see the class)."""
         self._armed = False
@@ -443,9 +466,7 @@ class SamplingParamsWriter:
             with bg.lock:
                 while i < k:
                     start = i
-                    i, n_pen, cursor = _P.sp_write(
-                        id(rows), id(sps), k, i, cursor, self._n_read, self._ctx_addr, next_u64, state
-                    )
+                    i, n_pen, cursor = self._write(rows, sps, k, i, cursor, next_u64, state)
                     self.written += i - start
                     if n_pen:
                         self._pen_rows.extend(self._pen[:n_pen].tolist())
@@ -524,7 +545,10 @@ def attach(state, sampler) -> SamplerAnswers | None:
     if unsupported_reason(sampler, R) is not None or not _methods_known():
         return None
     a = SamplerAnswers(sampler, R)
-    a.writer = None if _writer_reason(sampler) is not None else SamplingParamsWriter(sampler, R, sampler.add_request)
+    guard = getattr(state.table, "_guard", None)
+    a.writer = (
+        None if _writer_reason(sampler) is not None else SamplingParamsWriter(sampler, R, sampler.add_request, guard)
+    )
     if a.writer is not None:
         uvas = _uva_tensors(sampler)
         if _uploads_reason(uvas, R) is None:
