@@ -285,7 +285,7 @@ def _upload_ctx(srcs, slots, R, D):
     o_src, o_size, o_slots, o_count, o_full, o_rows, total = P._layout(T, D)
     rows = np.zeros((D, R), np.int64)
     ctx = np.zeros(total, np.int64)
-    ctx[P.U_T], ctx[P.U_D], ctx[P.U_R] = T, D, R
+    ctx[P.U_T], ctx[P.U_D], ctx[P.U_R], ctx[P.U_INT] = T, D, R, id(int)
     ctx[o_src : o_src + T] = [a.ctypes.data for a in srcs]
     ctx[o_size : o_size + T] = [a.itemsize for a in srcs]
     ctx[o_slots : o_slots + T * D] = [b.ctypes.data for s in slots for b in s]
@@ -352,3 +352,13 @@ def test_fields_read_in_place_from_slots_equal_getattr(sps):
     # an unset slot is an attribute that cannot be read
     del slotted[-1].min_p
     assert b.read(rb) == (P.SPR_MISSING, n - 1, P.SP_NAMES.index("min_p"))
+
+
+def test_a_row_that_is_not_an_int_marks_every_row():
+    srcs = [np.arange(R, dtype=np.int32)]
+    slots = [[np.zeros(R, np.int32) for _ in range(2)]]
+    ctx, _ = _upload_ctx(srcs, slots, R, 2)
+    rows = [np.int64(3)]  # (not an exact int: its row is not read)
+    P.sp_mark(ctx.ctypes.data, id(rows), 1)
+    assert P.sp_upload(ctx.ctypes.data) == 1
+    np.testing.assert_array_equal(slots[0][1], srcs[0])  # (the whole array)

@@ -214,25 +214,12 @@ def diff_sampler(ref, ib_ref, patched, ib_pat) -> list[str]:
     patched side each answered method against vLLM's own on the same
     arrays."""
     bad = diff_states(ref.sampler_state(), patched.sampler_state())
-    _expand_as_vllm(ib_ref)
     got_ref, got_pat = ref.sample_questions(ib_ref), patched.sample_questions(ib_pat)
     for name, a, b in zip(("logprobs_dims", "top_k", "top_p", "has_topp_only_rows", "fused"), got_ref, got_pat):
         a, b = (x.tolist() if hasattr(x, "tolist") else x for x in (a, b))
         if a != b or type(a) is not type(b):
             bad.append(f"sampler {name}: vLLM {a!r} vs {b!r}")
     return bad + answered_vs_vllm(patched.sampler, patched.mtpstate.sampler_answers, ib_pat)
-
-
-def _expand_as_vllm(ib) -> None:
-    # off: expand_idx_mapping's Triton kernel is a no-op here; its outputs
-    # as the kernel writes them, so that the sampler's gathers read them
-    if ib.expanded_idx_mapping is ib.idx_mapping:
-        return
-    import torch
-
-    n = np.diff(ib.cu_num_logits_np[: ib.num_reqs + 1])
-    ib.expanded_idx_mapping.copy_(torch.from_numpy(np.repeat(ib.idx_mapping_np, n)))
-    ib.expanded_local_pos.copy_(torch.from_numpy(np.concatenate([np.arange(k) for k in n]).astype(np.int32)))
 
 
 def _plain(x):

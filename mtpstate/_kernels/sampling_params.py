@@ -388,14 +388,15 @@ def _draw_seed(next_u64, bitgen):
 # the upload context (int64): then, per array, its source, element size and
 # its D slots' addresses; per slot, its dirty-row count, a "copy it all"
 # flag and its dirty rows' buffer ([R] each)
-U_T, U_D, U_R, U_CURR, U_PENDING = range(5)
-U_HEAD = 5
+U_T, U_D, U_R, U_CURR, U_PENDING, U_INT = range(6)  # (U_INT: the int type's address)
+U_HEAD = 6
 
 
 @jit
 def sp_mark(u_addr, rows, k):
-    """Rows ``rows`` (an exact list of ``k`` ints in [0, R)) were written:
-    dirty in every slot."""
+    """Rows ``rows`` (an exact list of ``k`` rows) were written: dirty in
+    every slot. A row that is not an exact int in [0, R) makes every row
+    dirty."""
     if k == 0:
         return
     head = view_i64(u_addr, U_HEAD)
@@ -412,7 +413,11 @@ def sp_mark(u_addr, rows, k):
             continue
         dirty = view_i64(u[o_rows + b], R)
         for j in range(k):
-            r, ok = int_value(load_i64(items + 8 * j))
+            obj = load_i64(items + 8 * j)
+            if load_i64(obj + OFF_TYPE) != head[U_INT]:
+                u[o_full + b] = 1
+                break
+            r, ok = int_value(obj)
             if not ok or r < 0 or r >= R:
                 u[o_full + b] = 1
                 break

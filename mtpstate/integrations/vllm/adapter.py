@@ -223,22 +223,15 @@ class ModelRunnerV2State:
         d = t.device_tensors
         # the runner reads these every step; as views, apply's writes are theirs
         replaced = {}  # id(vLLM's array or tensor) -> (it, the table's in its place)
-        for obj, name, new in (
-            (rs, "num_computed_tokens_np", t.num_computed_tokens),
-            (rs, "num_computed_prefill_tokens", t.num_computed_prefill_tokens),
-            (rs, "max_seq_len", t.max_seq_len),
-            (rs.prompt_len, "np", t.prompt_len),
-            (rs.prompt_len, "gpu", d.prompt_len),
-            (rs.prefill_len, "np", t.prefill_len),
-            (rs.prefill_len, "gpu", d.prefill_len),
-            (bt.num_blocks, "np", t.num_blocks),
-            (bt.num_blocks, "gpu", d.num_blocks),
-        ):
+
+        def take(obj, name, new):
             old = getattr(obj, name)
             replaced[id(old)] = (old, new)
-        rs.num_computed_tokens_np = t.num_computed_tokens  # [max_num_reqs]
-        rs.num_computed_prefill_tokens = t.num_computed_prefill_tokens  # [max_num_reqs]
-        rs.max_seq_len = t.max_seq_len  # [max_num_reqs]
+            setattr(obj, name, new)
+
+        take(rs, "num_computed_tokens_np", t.num_computed_tokens)  # [max_num_reqs]
+        take(rs, "num_computed_prefill_tokens", t.num_computed_prefill_tokens)  # [max_num_reqs]
+        take(rs, "max_seq_len", t.max_seq_len)  # [max_num_reqs]
         # UvaBackedTensors: host side (.np) and device side (.gpu) are the
         # table's; their per-step whole-array copy_to_uva() has nothing to do
         for uva, host, dev in (
@@ -246,8 +239,8 @@ class ModelRunnerV2State:
             (rs.prefill_len, t.prefill_len, d.prefill_len),
             (bt.num_blocks, t.num_blocks, d.num_blocks),  # [num_groups, max_num_reqs]
         ):
-            uva.np = host
-            uva.gpu = dev
+            take(uva, "np", host)
+            take(uva, "gpu", dev)
             uva.copy_to_uva = _Current(uva)
         # device tensors the runner's own kernels advance; seeded per new row
         rs.total_len.gpu = d.total_len  # [max_num_reqs]

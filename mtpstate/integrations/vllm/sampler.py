@@ -167,9 +167,6 @@ class SamplerAnswers:
         self.idx = idx
         self.computed += 1
 
-    def invalidate(self) -> None:
-        self.idx = None
-
 
 def _writer_reason(sampler) -> str | None:
     # what keeps every request on vLLM's own add_request
@@ -183,58 +180,45 @@ def _writer_reason(sampler) -> str | None:
 
 
 def _targets(sampler):
-    # sp_write's arrays, in _P.SP_TARGETS order, with their dtypes
+    # sp_write's targets, in _P.SP_TARGETS order, with their dtypes: vLLM's
+    # UvaBackedTensors (host side .np) and its host-only arrays
     ss, pen, lpt = sampler.sampling_states, sampler.penalties_state, sampler.logprob_token_ids_state
     lb, bw = _builtin_processors(sampler)
     i32, f32, b = np.int32, np.float32, np.bool_
     return (
-        (ss.temperature.np, f32),
-        (ss.top_k.np, i32),
-        (ss.top_p.np, f32),
-        (ss.min_p.np, f32),
+        (ss.temperature, f32),
+        (ss.top_k, i32),
+        (ss.top_p, f32),
+        (ss.min_p, f32),
         (ss.seeds_set, b),
-        (ss.seeds.np, np.int64),
+        (ss.seeds, np.int64),
         (ss.num_logprobs, i32),
         (sampler.needs_logits_processing, b),
         (sampler.may_mask_logits, b),
-        (pen.repetition_penalty.np, f32),
-        (pen.frequency_penalty.np, f32),
-        (pen.presence_penalty.np, f32),
+        (pen.repetition_penalty, f32),
+        (pen.frequency_penalty, f32),
+        (pen.presence_penalty, f32),
         (pen.use_penalty, b),
-        (lb.num_allowed_token_ids.np, i32),
-        (lb.num_logit_bias.np, i32),
-        (lb.min_lens.np, i32),
-        (lb.num_stop_token_ids.np, i32),
-        (lb.restore_when_all_masked.np, i32),
+        (lb.num_allowed_token_ids, i32),
+        (lb.num_logit_bias, i32),
+        (lb.min_lens, i32),
+        (lb.num_stop_token_ids, i32),
+        (lb.restore_when_all_masked, i32),
         (lb.use_logit_bias, b),
-        (bw.num_bad_words.np, i32),
-        (lpt.num_token_ids.np, i32),
-        (lb.prompt_len_np, i32),
+        (bw.num_bad_words, i32),
+        (lpt.num_token_ids, i32),
+        (lb.prompt_len_np, i32),  # (read: min_lens = prompt_len + min_tokens)
     )
+
+
+def _host(target) -> np.ndarray:
+    # a target's host array: a UvaBackedTensor's .np, or the array itself
+    return target if isinstance(target, np.ndarray) else target.np
 
 
 def _uva_tensors(sampler):
-    # the UvaBackedTensors among the writer's targets (its other targets are
-    # host-only arrays)
-    ss, pen, lpt = sampler.sampling_states, sampler.penalties_state, sampler.logprob_token_ids_state
-    lb, bw = _builtin_processors(sampler)
-    return (
-        ss.temperature,
-        ss.top_k,
-        ss.top_p,
-        ss.min_p,
-        ss.seeds,
-        pen.repetition_penalty,
-        pen.frequency_penalty,
-        pen.presence_penalty,
-        lb.num_allowed_token_ids,
-        lb.num_logit_bias,
-        lb.min_lens,
-        lb.num_stop_token_ids,
-        lb.restore_when_all_masked,
-        bw.num_bad_words,
-        lpt.num_token_ids,
-    )
+    # the UvaBackedTensors among the writer's targets: the ones with a device side
+    return tuple(t for t, _ in _targets(sampler) if not isinstance(t, np.ndarray))
 
 
 _UVA_BUFFERS = {("vllm.v1.worker.gpu.buffer_utils", "UvaBuffer"), ("vllm.v1.worker.cpu.buffer_utils", "UvaBuffer")}
@@ -276,7 +260,7 @@ class SamplerUploads:
         o_src, o_size, o_slots, o_count, o_full, o_rows, total = _P._layout(T, D)
         self._rows = np.zeros((D, R), np.int64)  # per slot: the rows written since it was filled
         ctx = np.zeros(total, np.int64)
-        ctx[_P.U_T], ctx[_P.U_D], ctx[_P.U_R] = T, D, R
+        ctx[_P.U_T], ctx[_P.U_D], ctx[_P.U_R], ctx[_P.U_INT] = T, D, R, id(int)
         ctx[o_src : o_src + T] = [u.np.ctypes.data for u in uvas]
         ctx[o_size : o_size + T] = [u.np.itemsize for u in uvas]
         ctx[o_slots : o_slots + T * D] = [b.np.ctypes.data for u in uvas for b in u.pool._uva_bufs]
@@ -354,7 +338,7 @@ class SamplingParamsWriter:
         self._guard = guard
         self._orig_add_request = orig_add_request
         self._pen_rows = sampler.penalties_state._new_penalties_reqs  # vLLM's bincount list
-        self._targets = tuple(a for a, _ in _targets(sampler))  # held: written by address
+        self._targets = tuple(_host(t) for t, _ in _targets(sampler))  # held: written by address
         self._f = np.zeros((R, _P.F_COLS), np.float64)  # the stash, by new request
         self._i = np.zeros((R, _P.I_COLS), np.int64)
         self._sp_addr = np.zeros(R, np.int64)  # each new request's params object (identity only)
@@ -590,7 +574,7 @@ def _bind(sampler, a: SamplerAnswers) -> None:
                 try:
                     return orig_add_request(req_idx, sampling_params)
                 finally:
-                    w.uploads.mark([int(req_idx)] if 0 <= req_idx < w._R else list(range(w._R)))
+                    w.uploads.mark([req_idx])  # (a row it cannot read marks every row)
         return orig_add_request(req_idx, sampling_params)
 
     orig_apply_staged_writes = sampler.apply_staged_writes
@@ -652,19 +636,16 @@ def _bind(sampler, a: SamplerAnswers) -> None:
             return logits
         return sampler.sampling_states.apply_top_k_top_p(logits, expanded_idx_mapping, idx_mapping_np)
 
-    orig_any_greedy = ss.any_greedy
+    def flag_of(obj, name, flag):
+        # a yes/no question over the batch: the answer's flag
+        orig = getattr(obj, name)
 
-    def any_greedy(idx_mapping_np):
-        if idx_mapping_np is not a.idx:
-            return orig_any_greedy(idx_mapping_np)
-        return (a.flags & _K.SP_ANY_GREEDY) != 0
+        def answer(idx_mapping_np):
+            if idx_mapping_np is not a.idx:
+                return orig(idx_mapping_np)
+            return (a.flags & flag) != 0
 
-    orig_any_explicit_seed = ss.any_explicit_seed
-
-    def any_explicit_seed(idx_mapping_np):
-        if idx_mapping_np is not a.idx:
-            return orig_any_explicit_seed(idx_mapping_np)
-        return (a.flags & _K.SP_ANY_SEED) != 0
+        return answer
 
     orig_max_num_logprobs = ss.max_num_logprobs
 
@@ -685,23 +666,18 @@ def _bind(sampler, a: SamplerAnswers) -> None:
         top_p = ss.top_p.gpu[expanded_idx_mapping] if do_top_p else None
         return top_k, top_p, do_top_p and a.max_top_k_top_p >= vocab_size
 
-    orig_apply_temperature = ss.apply_temperature
+    def launch_if(name, flag, values):
+        # apply_temperature / apply_min_p: vLLM's launcher, when a row of the batch needs it
+        orig = getattr(ss, name)
 
-    def apply_temperature(logits, expanded_idx_mapping, idx_mapping_np):
-        if idx_mapping_np is not a.idx:
-            return orig_apply_temperature(logits, expanded_idx_mapping, idx_mapping_np)
-        if a.flags & _K.SP_TEMPERATURE:
-            states_mod.apply_temperature(logits, expanded_idx_mapping, ss.temperature.gpu)
-        return None
+        def apply(logits, expanded_idx_mapping, idx_mapping_np):
+            if idx_mapping_np is not a.idx:
+                return orig(logits, expanded_idx_mapping, idx_mapping_np)
+            if a.flags & flag:
+                getattr(states_mod, name)(logits, expanded_idx_mapping, getattr(ss, values).gpu)
+            return None
 
-    orig_apply_min_p = ss.apply_min_p
-
-    def apply_min_p(logits, expanded_idx_mapping, idx_mapping_np):
-        if idx_mapping_np is not a.idx:
-            return orig_apply_min_p(logits, expanded_idx_mapping, idx_mapping_np)
-        if a.flags & _K.SP_MIN_P:
-            states_mod.apply_min_p(logits, expanded_idx_mapping, ss.min_p.gpu)
-        return None
+        return apply
 
     def _skip_unless(obj, flag):
         # a processor's apply(logits, ctx): vLLM's when a row of the batch uses it
@@ -742,12 +718,12 @@ def _bind(sampler, a: SamplerAnswers) -> None:
     sampler.apply_staged_writes = apply_staged_writes
     sampler.get_logprobs_dims = get_logprobs_dims
     sampler.apply_sampling_params = apply_sampling_params
-    ss.any_greedy = any_greedy
-    ss.any_explicit_seed = any_explicit_seed
+    ss.any_greedy = flag_of(ss, "any_greedy", _K.SP_ANY_GREEDY)
+    ss.any_explicit_seed = flag_of(ss, "any_explicit_seed", _K.SP_ANY_SEED)
     ss.max_num_logprobs = max_num_logprobs
     ss.get_top_k_top_p = get_top_k_top_p
-    ss.apply_temperature = apply_temperature
-    ss.apply_min_p = apply_min_p
+    ss.apply_temperature = launch_if("apply_temperature", _K.SP_TEMPERATURE, "temperature")
+    ss.apply_min_p = launch_if("apply_min_p", _K.SP_MIN_P, "min_p")
     bw.apply = bad_words_apply
     tb.apply = thinking_budget_apply
     lpt.max_num_token_ids = max_num_token_ids

@@ -186,7 +186,8 @@ def _bench(w, model_dir, repeats, device):
 
 PHASES = ("finish", "add", "update", "gather", "prepare_inputs", "prepare_attn", "sample")
 INPUT_PHASES = ("gather", "prepare_inputs", "prepare_attn")  # input preparation
-BOOK = [0, 1, 2, 3, 6]  # finish, add, update, gather, sample: bookkeeping with the sampler
+INPUT = [PHASES.index(p) for p in INPUT_PHASES]
+BOOK = [PHASES.index(p) for p in PHASES if p not in ("prepare_inputs", "prepare_attn")]  # bookkeeping + sampler
 
 
 def _timed_host_step(sub, so, out, sync):
@@ -273,11 +274,11 @@ def _bench_runner(w, model_dir, repeats, device, sampler=True):
             "mtpstate": {p: med(on[:, k]) for k, p in enumerate(PHASES)},
         },
         # gather + prepare_inputs + prepare_attn, per step: medians and the paired ratio
-        "input_preparation": _paired(off[:, 3:6].sum(axis=1), on[:, 3:6].sum(axis=1)),
+        "input_preparation": _paired(off[:, INPUT].sum(axis=1), on[:, INPUT].sum(axis=1)),
         # the sampler's share: its add_request + apply_staged_writes are in
         # "add" (vLLM's on both sides), its per-step questions are "sample"
         "sampler": sampler,
-        "sample_questions": _paired(off[:, 6], on[:, 6]) if sampler else None,
+        "sample_questions": _paired(off[:, PHASES.index("sample")], on[:, PHASES.index("sample")]) if sampler else None,
         # the request-state bookkeeping with the sampler's share: finish, add
         # (with the sampler's add_request / apply_staged_writes), update,
         # gather, the sampler's questions (everything but prepare_inputs /
