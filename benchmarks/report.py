@@ -163,8 +163,9 @@ def runner_table(results: list[dict] | None = None) -> str:
         "| the sampler's per-step questions: off vs on, us, paired median (p10-p90) "
         "| bookkeeping with the sampler (all but prepare_inputs / prepare_attn): off vs on, us, paired median "
         "(p10-p90) "
+        "| mtpstate's sampler answers per step, us: median / p90 (batches from the counts) "
         "| torch ops off | torch ops on | launches off | launches on |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     key = lambda r: (RUNNER_ORDER.index(r["workload"].split("-")[0]), _n(r["workload"]))  # noqa: E731
     for r in sorted(results, key=key):
@@ -182,6 +183,8 @@ def runner_table(results: list[dict] | None = None) -> str:
                 else f"{ip['vllm_median_us']:.0f} vs {ip['mtpstate_median_us']:.0f}: **{ip['paired_median']:.2f}x** "
                 f"({ip['paired_p10']:.2f}-{ip['paired_p90']:.2f})"
             )
+        a = r.get("sampler_answers_us")
+        cells.append("-" if a is None else f"{a['median']:.2f} / {a['p90']:.2f} ({a['from_counts']:.0%})")
         for side in ("vllm", "mtpstate"):
             o = ops[side]
             cells.append(f"{_opt(o['without_new'])} / {_opt(o['with_new'])} (max {o['max']})")

@@ -115,10 +115,19 @@ def test_token_runs_and_chunks_nojit():
 
 
 def test_sampler_answers_nojit():
-    from test_sampler_answers import test_a_changed_row_changes_the_answer, test_answers_equal_vllms_numpy
+    from hypothesis import settings
+    from hypothesis.stateful import run_state_machine_as_test
+    from test_sampler_answers import (
+        CountedAnswers,
+        test_a_changed_row_changes_the_answer,
+        test_a_row_that_is_not_an_int_makes_every_batch_a_pass,
+        test_answers_equal_vllms_numpy,
+    )
 
     test_a_changed_row_changes_the_answer()
     test_answers_equal_vllms_numpy()
+    test_a_row_that_is_not_an_int_makes_every_batch_a_pass()
+    run_state_machine_as_test(CountedAnswers, settings=settings(max_examples=30, stateful_step_count=30, deadline=None))
 
 
 def test_sampling_params_nojit():

@@ -348,6 +348,8 @@ def run_runner_differential(w: Workload, model_dir: str, deferred: bool = False,
                 res["first"].append((res["steps"], bad[:5]))
     if ops is not None:
         res["ops_per_step"] = dict(per_step)
+    if sampler:  # (batches answered: of them, from the counts over the live rows)
+        res["sampler_batches"], res["sampler_from_counts"] = answers.computed, answers.from_counts
     if sampler and answers.writer is not None:
         res["sampler_params_written"], res["sampler_params_by_vllm"] = answers.writer.written, answers.writer.by_vllm
         up = answers.writer.uploads

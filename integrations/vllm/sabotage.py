@@ -87,10 +87,30 @@ def _upload_one_row_less() -> None:
     SamplerUploads.mark = stale
 
 
+def _count_rows_before_written() -> None:
+    # the step's new rows counted as soon as the step is applied, before
+    # the add hooks write their sampling params (a reused row's part of the
+    # answers stays its previous request's)
+    import numpy as np
+
+    from mtpstate._kernels import sampler as K
+    from mtpstate.integrations.vllm.sampler import SamplerAnswers
+
+    rows_changed = SamplerAnswers.rows_changed
+    nothing = np.zeros(1, np.intp)
+
+    def early(self, table_ctx_addr):
+        rows_changed(self, table_ctx_addr)
+        K.sp_answers(self._addr, nothing.ctypes.data, 0)  # (counts the dirty rows now)
+
+    SamplerAnswers.rows_changed = early
+
+
 # negative controls of mtpstate's answers to vLLM's sampler, of its writes
 # of new requests' sampling params, and of their upload
 SAMPLER_SABOTAGE = {
     "sampler-stale-row": _skip_last_sampler_row,
+    "sampler-counted-early": _count_rows_before_written,
     "sampler-params-row": _drop_last_new_params,
     "sampler-upload-row": _upload_one_row_less,
 }

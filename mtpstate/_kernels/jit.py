@@ -25,6 +25,8 @@ ENTRY_KERNELS = frozenset(
         "ix_rehash",
         "tok_fill",
         "sp_answers",
+        "sp_rows_changed",
+        "sp_row_written",
         "sp_read",
         "sp_write",
         "sp_mark",

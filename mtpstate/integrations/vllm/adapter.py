@@ -264,6 +264,7 @@ class ModelRunnerV2State:
         # the sampler's per-step questions, answered for each batch handed out
         # (None: no sampler here, or not exactly vLLM's; it answers itself)
         self.sampler_answers = _sampler.attach(self, getattr(runner, "sampler", None))
+        self._table_ctx_addr = t._tb_addr  # (the answers' counts read each step's rows there)
 
     # -- the three runner methods ---------------------------------------------
 
@@ -303,8 +304,12 @@ class ModelRunnerV2State:
             writer.read(new)  # (their sampling params checked before anything changes)
         # a decode step (finish() found nobody leaving): the step as it is
         res = self.table.apply(so if freeing is None else _Step(freeing, so))
-        if new and writer is not None:
-            writer.arm()
+        answers = self.sampler_answers
+        if answers is not None:
+            if new or freeing:  # (rows left or arrived: the answers' counts follow)
+                answers.rows_changed(self._table_ctx_addr)
+            if new and writer is not None:
+                writer.arm()
         self._freeing = []
         self._batch = res.batch
         if new:

@@ -120,6 +120,13 @@ class SamplerAnswers:
     ``max_num_token_ids``, ``max_top_k`` (the batch max of top_k, for
     ``return_sampling_mask``), ``max_top_k_top_p`` (top_k's max over rows
     with top_p < 1; -1: none) and ``max_num_bad_words``.
+
+    The live rows' parts of the answers are kept counted (see
+    ``_kernels.sampler``): :meth:`rows_changed` after each table step (its
+    freed rows out, its new rows to count), :meth:`row_written` for a row
+    the sampler's ``add_request`` wrote outside one. A batch of every live
+    row is then answered from the counts at any size; any other by a pass
+    over its rows. Built with the table, before its first request.
     """
 
     __slots__ = (
@@ -133,24 +140,55 @@ class SamplerAnswers:
         "computed",
         "writer",
         "_arrays",
-        "_args",
+        "_records",
+        "_row_state",
+        "_dirty",
+        "_ctx",
+        "_addr",
         "_R",
-        "_vocab",
     )
 
-    def __init__(self, sampler, max_num_reqs: int):
-        self._R = max_num_reqs
-        self._vocab = int(sampler.sampling_states.vocab_size)
-        # held: their addresses are read by the kernel every step
-        self._arrays = tuple(a for a, _ in _arrays(sampler, max_num_reqs))
-        self._args = tuple(a.ctypes.data for a in self._arrays)
+    def __init__(self, arrays: tuple, max_num_reqs: int, vocab_size: int):
+        # arrays: the per-row arrays, in _K.SP_ARRAYS order (see _arrays)
+        R = self._R = max_num_reqs
+        # held: their addresses are read by the kernels every step
+        self._arrays = tuple(arrays)
+        self._records = np.zeros((R, _K.REC_COLS), np.int32)  # [R, REC_COLS]: each counted row's part
+        self._row_state = np.zeros(R, np.uint8)  # [R]: ROW_*
+        self._dirty = np.zeros(R, np.int32)  # [R]: rows to count before the next answers
+        ctx = np.zeros(_K.A_SIZE, np.int64)
+        ctx[_K.A_R], ctx[_K.A_VOCAB] = R, vocab_size
+        ctx[_K.A_ARRAYS : _K.A_ARRAYS + len(_K.SP_ARRAYS)] = [a.ctypes.data for a in self._arrays]
+        ctx[_K.A_REC], ctx[_K.A_ROW] = self._records.ctypes.data, self._row_state.ctypes.data
+        ctx[_K.A_DIRTY], ctx[_K.A_VALID] = self._dirty.ctypes.data, 1
+        ctx[_K.A_MAXV : _K.A_MAXV + _K.N_MAX] = _K.MAX_EMPTY
+        self._ctx = ctx
+        self._addr = ctx.ctypes.data
         self.idx = None
         self.writer = None  # the SamplingParamsWriter, if new requests' params are written here
         self.computed = 0  # steps answered (tests, stats)
 
+    @property
+    def from_counts(self) -> int:
+        """Batches answered from the counts (the rest by a pass)."""
+        return int(self._ctx[_K.A_FAST])
+
+    def rows_changed(self, table_ctx_addr: int) -> None:
+        """A table step was applied (its context's address): its freed rows
+        leave the counts, its new rows are counted with the next answers."""
+        _K.sp_rows_changed(self._addr, table_ctx_addr)
+
+    def row_written(self, req_idx) -> None:
+        """The sampler's ``add_request`` wrote row ``req_idx`` outside a
+        table step (a row that is not an int: every batch by a pass)."""
+        self.idx = None
+        r = req_idx if type(req_idx) is int else -1
+        _K.sp_row_written(self._addr, r)
+
     def compute(self, idx_addr: int, n: int, idx: np.ndarray) -> None:
-        """Answer for the ``n`` rows at ``idx_addr`` (intp), whose copy
-        ``idx`` is the ``idx_mapping_np`` vLLM's sampler will be asked with."""
+        """Answer for the ``n`` rows at ``idx_addr`` (intp; the step's batch:
+        distinct live rows), whose copy ``idx`` is the ``idx_mapping_np``
+        vLLM's sampler will be asked with."""
         if self.writer is not None:
             self.writer.flush()  # (add_request calls not yet written)
         if n == 0:  # (vLLM's reductions over an empty batch raise: its own code answers)
@@ -163,7 +201,7 @@ class SamplerAnswers:
             self.max_top_k,
             self.max_top_k_top_p,
             self.max_num_bad_words,
-        ) = _K.sp_answers(idx_addr, n, self._R, self._vocab, *self._args)
+        ) = _K.sp_answers(self._addr, idx_addr, n)
         self.idx = idx
         self.computed += 1
 
@@ -528,7 +566,7 @@ def attach(state, sampler) -> SamplerAnswers | None:
     R = state.table.max_num_reqs
     if unsupported_reason(sampler, R) is not None or not _methods_known():
         return None
-    a = SamplerAnswers(sampler, R)
+    a = SamplerAnswers(tuple(x for x, _ in _arrays(sampler, R)), R, int(sampler.sampling_states.vocab_size))
     guard = getattr(state.table, "_guard", None)
     a.writer = (
         None if _writer_reason(sampler) is not None else SamplingParamsWriter(sampler, R, sampler.add_request, guard)
@@ -567,15 +605,16 @@ def _bind(sampler, a: SamplerAnswers) -> None:
     def add_request(req_idx, sampling_params):
         a.idx = None  # the rows' values change: the answers are recomputed with the next batch
         if w is not None:
+            # (noted: a row of the step's add loop, one of its new rows)
             if w.note(req_idx, sampling_params):
                 return None
             w.flush()  # (in order with any noted before)
-            if w.uploads is not None:
-                try:
-                    return orig_add_request(req_idx, sampling_params)
-                finally:
-                    w.uploads.mark([req_idx])  # (a row it cannot read marks every row)
-        return orig_add_request(req_idx, sampling_params)
+        try:
+            return orig_add_request(req_idx, sampling_params)
+        finally:
+            a.row_written(req_idx)  # (a new row of the step is counted already)
+            if w is not None and w.uploads is not None:
+                w.uploads.mark([req_idx])  # (a row it cannot read marks every row)
 
     orig_apply_staged_writes = sampler.apply_staged_writes
 

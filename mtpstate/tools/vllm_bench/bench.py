@@ -253,6 +253,7 @@ def _bench_runner(w, model_dir, repeats, device, sampler=True):
     t_off, t_on = off.sum(axis=1), on.sum(axis=1)
     ratios = t_off / t_on
     ops = _torch_op_counts(w, block_sizes, blobs, timed, device, sampler)
+    answers = _answers_times(w, block_sizes, blobs, timed, device) if sampler else None
     med = lambda a: float(np.median(a)) * 1e6  # noqa: E731  (us)
     return {
         "workload": w.name,
@@ -284,7 +285,60 @@ def _bench_runner(w, model_dir, repeats, device, sampler=True):
         # gather, the sampler's questions (everything but prepare_inputs /
         # prepare_attn)
         "bookkeeping_and_sampler": _paired(off[:, BOOK].sum(axis=1), on[:, BOOK].sum(axis=1)) if sampler else None,
+        # mtpstate's sampler answers per step (their counts kept at apply,
+        # the answers computed at gather): median and p90, us
+        "sampler_answers_us": answers,
         "torch_ops": ops,
+    }
+
+
+class _TimedAnswers:
+    """A ``SamplerAnswers`` as the adapter calls it, each call timed (the
+    sampler's wrappers keep the object itself)."""
+
+    def __init__(self, answers):
+        self._answers = answers
+        self.seconds = 0.0
+
+    def rows_changed(self, *args):
+        t0 = time.perf_counter()
+        self._answers.rows_changed(*args)
+        self.seconds += time.perf_counter() - t0
+
+    def compute(self, *args):
+        t0 = time.perf_counter()
+        self._answers.compute(*args)
+        self.seconds += time.perf_counter() - t0
+
+    def __getattr__(self, name):
+        return getattr(self._answers, name)
+
+
+def _answers_times(w, block_sizes, blobs, timed, device="cpu") -> dict | None:
+    """mtpstate's sampler answers per timed step, in a pass of their own
+    (the calls timed one by one): ``SamplerAnswers.rows_changed`` at apply
+    plus ``compute`` at gather, us; and the share of batches answered from
+    the counts over the live rows. None: the sampler is left to vLLM."""
+    args = (w.max_num_seqs, w.max_model_len, w.max_num_batched_tokens, block_sizes, w.num_spec)
+    sync = _synchronizer(device)
+    ref = MRV2Reference(*args, use_mtpstate=True, device=device, sampler=True)
+    st = ref.mtpstate
+    if st.sampler_answers is None:
+        return None
+    timer = st.sampler_answers = _TimedAnswers(st.sampler_answers)
+    per_step = []
+    for b, keep in zip(blobs, timed):
+        so = pickle.loads(b)
+        timer.seconds = 0.0
+        ref.sample_questions(ref.host_step(so))
+        sync()
+        if keep:
+            per_step.append(timer.seconds)
+    a = timer._answers
+    return {
+        "median": statistics.median(per_step) * 1e6,
+        "p90": float(np.percentile(per_step, 90)) * 1e6,
+        "from_counts": a.from_counts / max(a.computed, 1),
     }
 
 
