@@ -33,6 +33,7 @@ COLUMNS = {
     "use_logit_bias": (bool, st.booleans()),
     "num_bad_words": (np.int32, st.integers(0, 3)),
     "use_thinking_budget": (bool, st.booleans()),
+    "restore_when_all_masked": (np.int32, st.integers(0, 1)),
 }
 assert tuple(COLUMNS) == K.SP_ARRAYS
 
@@ -73,6 +74,7 @@ def _vllm(arrays, idx, vocab_size):
         (K.SP_USE_PENALTY, np.any(a["use_penalty"])),
         (K.SP_USE_LOGIT_BIAS, np.any(a["use_logit_bias"])),
         (K.SP_USE_THINKING_BUDGET, np.any(a["use_thinking_budget"])),
+        (K.SP_RESTORE_WHEN_MASKED, np.any(a["restore_when_all_masked"])),
     ):
         flags |= bit if cond else 0
     do_top_p = bool(np.any(a["top_p"] != 1.0))

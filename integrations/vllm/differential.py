@@ -214,12 +214,34 @@ def diff_sampler(ref, ib_ref, patched, ib_pat) -> list[str]:
     patched side each answered method against vLLM's own on the same
     arrays."""
     bad = diff_states(ref.sampler_state(), patched.sampler_state())
-    got_ref, got_pat = ref.sample_questions(ib_ref), patched.sample_questions(ib_pat)
+    got_ref, launched_ref = _launching(ref.sample_questions, ib_ref)
+    got_pat, launched_pat = _launching(patched.sample_questions, ib_pat)
+    if launched_ref != launched_pat:  # (which launchers ran, with their flag and size arguments)
+        bad.append(f"sampler launches: vLLM {launched_ref} vs mtpstate's {launched_pat}")
     for name, a, b in zip(("logprobs_dims", "top_k", "top_p", "has_topp_only_rows", "fused"), got_ref, got_pat):
         a, b = (x.tolist() if hasattr(x, "tolist") else x for x in (a, b))
         if a != b or type(a) is not type(b):
             bad.append(f"sampler {name}: vLLM {a!r} vs {b!r}")
     return bad + answered_vs_vllm(patched.sampler, patched.mtpstate.sampler_answers, ib_pat)
+
+
+def _launching(sample_questions, ib):
+    """``sample_questions(ib)``, and the sampler launchers it called (the
+    CPU shims' no-ops) with their arguments that are not tensors."""
+    import torch
+
+    from mtpstate.tools.vllm_bench.shims import sampler_launchers
+
+    launchers = sampler_launchers()
+    before = {name: f.calls for name, f in launchers.items()}
+    got = sample_questions(ib)
+    launched = {}
+    for name, f in launchers.items():
+        if f.calls != before[name]:
+            args, kwargs = f.last
+            plain = [a for a in (*args, *kwargs.values()) if not isinstance(a, torch.Tensor)]
+            launched[name] = (f.calls - before[name], plain)
+    return got, launched
 
 
 def _plain(x):
@@ -261,6 +283,7 @@ def answered_vs_vllm(s, answers, ib) -> list[str]:
         "use_penalty": bool(np.any(s.penalties_state.use_penalty[idx])),
         "use_logit_bias": bool(np.any(lb.use_logit_bias[idx])),
         "use_thinking_budget": bool(tb.enabled and np.any(tb.use_thinking_budget[idx])),
+        "restore_when_all_masked": bool(np.any(lb.restore_when_all_masked.np[idx])),
         "temperature": not np.all((t == 0.0) | (t == 1.0)),
         "min_p": not np.all(ss.min_p.np[idx] == 0.0),
         "max_num_bad_words": int(bw.num_bad_words.np[idx].max()),
@@ -272,6 +295,7 @@ def answered_vs_vllm(s, answers, ib) -> list[str]:
         "use_penalty": bool(f & K.SP_USE_PENALTY),
         "use_logit_bias": bool(f & K.SP_USE_LOGIT_BIAS),
         "use_thinking_budget": bool(f & K.SP_USE_THINKING_BUDGET),
+        "restore_when_all_masked": bool(f & K.SP_RESTORE_WHEN_MASKED),
         "temperature": bool(f & K.SP_TEMPERATURE),
         "min_p": bool(f & K.SP_MIN_P),
         "max_num_bad_words": answers.max_num_bad_words,

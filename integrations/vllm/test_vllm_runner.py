@@ -42,6 +42,10 @@ def test_runner_through_plugin_agrees():
     assert len(results) == len(WORKLOADS)
     for r in results:
         assert r["steps"] > 0 and r["disagreements"] == 0, r
+    # the sampler's answers from the counts over the live rows, as well as by
+    # the pass (the async workloads' batches leave a live request out)
+    assert all(r["sampler_from_counts"] > 0 for r in results), results
+    assert any(r["sampler_from_counts"] < r["sampler_batches"] for r in results), results
 
 
 def test_runner_on_a_deferred_device_one_replay_per_step():

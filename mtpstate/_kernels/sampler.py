@@ -35,7 +35,8 @@ SP_NEEDS_PROCESSING = 64  # needs_logits_processing
 SP_USE_PENALTY = 128  # use_penalty
 SP_USE_LOGIT_BIAS = 256  # use_logit_bias
 SP_USE_THINKING_BUDGET = 512  # use_thinking_budget
-N_FLAGS = 10
+SP_RESTORE_WHEN_MASKED = 1024  # restore_when_all_masked: the logit-bias kernel's stop-token restore
+N_FLAGS = 11
 
 # the per-row arrays read, in this order (each [max_num_reqs])
 SP_ARRAYS = (
@@ -51,6 +52,7 @@ SP_ARRAYS = (
     "use_logit_bias",  # bool
     "num_bad_words",  # int32
     "use_thinking_budget",  # bool
+    "restore_when_all_masked",  # int32
 )
 
 # a row's record (int32 [REC_COLS]): its flags, then its values of the
@@ -104,6 +106,7 @@ def _arrays(a, R):
         view_u8(a[b + 9], R),
         view_i32(a[b + 10], R),
         view_u8(a[b + 11], R),
+        view_i32(a[b + 12], R),
     )
 
 
@@ -135,6 +138,8 @@ def _record(arrs, r, vocab):
         flags |= SP_USE_LOGIT_BIAS
     if arrs[11][r] != 0:
         flags |= SP_USE_THINKING_BUDGET
+    if arrs[12][r] != 0:
+        flags |= SP_RESTORE_WHEN_MASKED
     k_p = k if p < 1.0 else -1
     return flags, arrs[5][r], arrs[8][r], k, k_p, arrs[10][r]
 

@@ -83,7 +83,7 @@ COMPUTED: dict[str, dict[str, dict[str, str]]] = {
 # per release, the vLLM sampler methods whose answers mtpstate computes for
 # the step's batch and whose per-request writes it makes for new requests
 # (mtpstate.integrations.vllm.sampler replaces them on the sampler's objects,
-# keeps Sampler.apply_sampling_params' body, and writes what the add_request
+# keeps Sampler.apply_sampling_params' and LogitBiasState.apply's bodies, and writes what the add_request
 # methods write):
 # module -> Class.method -> fingerprint of its source. A changed one leaves
 # the sampler to vLLM alone (the rest of the integration still applies).

@@ -82,6 +82,7 @@ def _arrays(sampler, R: int):
         (lb.use_logit_bias, np.bool_),
         (bw.num_bad_words.np, np.int32),
         (_thinking_rows(sampler.thinking_budget_state, R), np.bool_),
+        (lb.restore_when_all_masked.np, np.int32),
     )
 
 
@@ -730,7 +731,33 @@ def _bind(sampler, a: SamplerAnswers) -> None:
         obj.apply = apply
 
     _skip_unless(pen, _K.SP_USE_PENALTY)
-    _skip_unless(lb, _K.SP_USE_LOGIT_BIAS)
+
+    orig_lb_apply = lb.apply
+    lb_mod = sys.modules[type(lb).__module__]  # its launcher, looked up per call as vLLM's method does
+
+    def logit_bias_apply(logits, ctx):
+        if ctx.idx_mapping_np is not a.idx:
+            return orig_lb_apply(logits, ctx)
+        flags = a.flags
+        if not flags & _K.SP_USE_LOGIT_BIAS:
+            return logits
+        # vLLM's body after its checks (both answered)
+        lb_mod.apply_logit_bias(
+            logits,
+            ctx.expanded_idx_mapping,
+            ctx.pos,
+            lb.num_allowed_token_ids.gpu,
+            lb.allowed_token_ids.gpu,
+            lb.num_logit_bias.gpu,
+            lb.logit_bias_token_ids.gpu,
+            lb.logit_bias.gpu,
+            lb.min_lens.gpu,
+            lb.num_stop_token_ids.gpu,
+            lb.restore_when_all_masked.gpu,
+            lb.stop_token_ids.gpu,
+            (flags & _K.SP_RESTORE_WHEN_MASKED) != 0,
+        )
+        return logits
 
     orig_bw_apply = bw.apply
 
@@ -763,6 +790,7 @@ def _bind(sampler, a: SamplerAnswers) -> None:
     ss.get_top_k_top_p = get_top_k_top_p
     ss.apply_temperature = launch_if("apply_temperature", _K.SP_TEMPERATURE, "temperature")
     ss.apply_min_p = launch_if("apply_min_p", _K.SP_MIN_P, "min_p")
+    lb.apply = logit_bias_apply
     bw.apply = bad_words_apply
     tb.apply = thinking_budget_apply
     lpt.max_num_token_ids = max_num_token_ids

@@ -93,11 +93,33 @@ def _no_launch(*args, **kwargs):
 
 class _NoLaunchCall:
     """A launcher function (``apply_min_p(logits, ...)``) that launches
-    nothing; counted with the kernels' launches."""
+    nothing; counted with the kernels' launches. ``calls`` and ``last``
+    (its arguments) are what the differential compares."""
+
+    def __init__(self):
+        self.calls = 0
+        self.last = None
 
     def __call__(self, *args, **kwargs):
         _NoLaunch.launches += 1
+        self.calls += 1
+        self.last = (args, kwargs)
         return None
+
+
+def sampler_launchers() -> dict:
+    """The sampler's launchers as the CPU shims replaced them, by name
+    (``module.function``)."""
+    import importlib
+
+    out = {}
+    for mod_name, names in SAMPLER_LAUNCHERS.items():
+        mod = importlib.import_module(mod_name)
+        for name in names:
+            f = getattr(mod, name)
+            if isinstance(f, _NoLaunchCall):
+                out[f"{mod_name.rsplit('.', 1)[1]}.{name}"] = f
+    return out
 
 
 # seconds the shims spent doing a GPU kernel's work on the host, which a
