@@ -161,6 +161,16 @@ def _batch_pass(arrs, idx, n, vocab):
 
 
 @jit
+def _take_max(a, j, v):
+    # a counted row's value v of maximum j
+    if v > a[A_MAXV + j]:
+        a[A_MAXV + j] = v
+        a[A_ATMAX + j] = 1
+    elif v == a[A_MAXV + j]:
+        a[A_ATMAX + j] += 1
+
+
+@jit
 def _count(a, rec, r):
     # row r's record into the counts
     f = rec[r, REC_FLAGS]
@@ -171,12 +181,7 @@ def _count(a, rec, r):
     for j in range(N_MAX):
         if stale & (1 << j):
             continue  # (recomputed over every counted row when asked)
-        v = rec[r, REC_MAX + j]
-        if v > a[A_MAXV + j]:
-            a[A_MAXV + j] = v
-            a[A_ATMAX + j] = 1
-        elif v == a[A_MAXV + j]:
-            a[A_ATMAX + j] += 1
+        _take_max(a, j, rec[r, REC_MAX + j])
     a[A_COUNT] += 1
 
 
@@ -214,12 +219,7 @@ def _recount_maxima(a, rec, state, R):
             continue
         for j in range(N_MAX):
             if stale & (1 << j):
-                v = rec[r, REC_MAX + j]
-                if v > a[A_MAXV + j]:
-                    a[A_MAXV + j] = v
-                    a[A_ATMAX + j] = 1
-                elif v == a[A_MAXV + j]:
-                    a[A_ATMAX + j] += 1
+                _take_max(a, j, rec[r, REC_MAX + j])
     a[A_STALE] = 0
 
 
