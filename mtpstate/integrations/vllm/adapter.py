@@ -299,12 +299,12 @@ class ModelRunnerV2State:
         so = scheduler_output
         freeing = self._freeing
         new = so.scheduled_new_reqs
-        writer = None if self.sampler_answers is None else self.sampler_answers.writer
+        answers = self.sampler_answers
+        writer = None if answers is None else answers.writer
         if new and writer is not None:
             writer.read(new)  # (their sampling params checked before anything changes)
         # a decode step (finish() found nobody leaving): the step as it is
         res = self.table.apply(so if freeing is None else _Step(freeing, so))
-        answers = self.sampler_answers
         if answers is not None:
             if new or freeing:  # (rows left or arrived: the answers' counts follow)
                 answers.rows_changed(self._table_ctx_addr)

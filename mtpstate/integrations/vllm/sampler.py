@@ -146,12 +146,11 @@ class SamplerAnswers:
         "_dirty",
         "_ctx",
         "_addr",
-        "_R",
     )
 
     def __init__(self, arrays: tuple, max_num_reqs: int, vocab_size: int):
         # arrays: the per-row arrays, in _K.SP_ARRAYS order (see _arrays)
-        R = self._R = max_num_reqs
+        R = max_num_reqs
         # held: their addresses are read by the kernels every step
         self._arrays = tuple(arrays)
         self._records = np.zeros((R, _K.REC_COLS), np.int32)  # [R, REC_COLS]: each counted row's part
@@ -719,18 +718,12 @@ def _bind(sampler, a: SamplerAnswers) -> None:
 
         return apply
 
-    def _skip_unless(obj, flag):
-        # a processor's apply(logits, ctx): vLLM's when a row of the batch uses it
-        orig = obj.apply
+    orig_pen_apply = pen.apply
 
-        def apply(logits, ctx):
-            if ctx.idx_mapping_np is a.idx and not a.flags & flag:
-                return logits
-            return orig(logits, ctx)
-
-        obj.apply = apply
-
-    _skip_unless(pen, _K.SP_USE_PENALTY)
+    def penalties_apply(logits, ctx):
+        if ctx.idx_mapping_np is a.idx and not a.flags & _K.SP_USE_PENALTY:
+            return logits
+        return orig_pen_apply(logits, ctx)
 
     orig_lb_apply = lb.apply
     lb_mod = sys.modules[type(lb).__module__]  # its launcher, looked up per call as vLLM's method does
@@ -790,6 +783,7 @@ def _bind(sampler, a: SamplerAnswers) -> None:
     ss.get_top_k_top_p = get_top_k_top_p
     ss.apply_temperature = launch_if("apply_temperature", _K.SP_TEMPERATURE, "temperature")
     ss.apply_min_p = launch_if("apply_min_p", _K.SP_MIN_P, "min_p")
+    pen.apply = penalties_apply
     lb.apply = logit_bias_apply
     bw.apply = bad_words_apply
     tb.apply = thinking_budget_apply
