@@ -35,12 +35,12 @@ test: $(STAMP)
 test-slow: $(STAMP)
 	HYPOTHESIS_PROFILE=slow $(PY) -m pytest -q -m 'slow or not slow'
 
-$(VSTAMP): pyproject.toml integrations/vllm/requirements.txt
+$(VSTAMP): pyproject.toml vllm_proof/requirements.txt
 	test -x $(VPY) || $(PYTHON) -m venv $(VVENV)
 	$(VPY) -m pip install -q --upgrade pip
-	$(VPY) -m pip install -q --only-binary :all: -r integrations/vllm/requirements.txt
+	$(VPY) -m pip install -q --only-binary :all: -r vllm_proof/requirements.txt
 	$(VPY) -m pip install -q -e '.[dev]'
-	$(VPY) integrations/vllm/fetch_vllm.py $(VLLM_DIR)
+	$(VPY) vllm_proof/fetch_vllm.py $(VLLM_DIR)
 	$(VPY) -c "import sysconfig; open(sysconfig.get_paths()['purelib'] + '/vllm-src.pth', 'w').write('$(CURDIR)/$(VLLM_SRC)\n')"
 	touch $(VSTAMP)
 
@@ -57,8 +57,8 @@ $(VLLM_PATCHED)/.patched: $(VSTAMP) $(PATCH)
 #    plugin, with the patch (the same tests must pass); 2. the differentials
 #    (bare table; the runner through the plugin) and the plugin's guard
 test-vllm: $(VSTAMP) $(VLLM_PATCHED)/.patched
-	$(VPY) integrations/vllm/vllm_own_tests.py $(VLLM_SRC) $(VLLM_PATCHED)
-	MTPSTATE_VLLM_PATCHED=$(CURDIR)/$(VLLM_PATCHED) $(VRUN) $(VPY) -m pytest -q -p no:cacheprovider integrations/vllm
+	$(VPY) vllm_proof/vllm_own_tests.py $(VLLM_SRC) $(VLLM_PATCHED)
+	MTPSTATE_VLLM_PATCHED=$(CURDIR)/$(VLLM_PATCHED) $(VRUN) $(VPY) -m pytest -q -p no:cacheprovider vllm_proof
 
 # mtpstate bench-vllm in the venv: the bookkeeping, then the runner's host step
 bench-vllm: $(VSTAMP)
@@ -67,11 +67,11 @@ bench-vllm: $(VSTAMP)
 
 # on a CUDA machine with torch, numba, pytest(-benchmark), hypothesis installed
 # (no network, no venv): cuda tests, ring-reuse stress, mirror bench; files
-# under $$MTPSTATE_GPU_OUT (see integrations/gpu/gpu_check.py)
+# under $$MTPSTATE_GPU_OUT (see gpu_acceptance/gpu_check.py)
 # VLLM_SRC=DIR: an unpacked vLLM sdist, whose StagedWriteTensor is the device
 # bench's vLLM-way upload
 gpu-check:
-	$(PYTHON) integrations/gpu/gpu_check.py $(if $(VLLM_SRC),--vllm-src $(VLLM_SRC))
+	$(PYTHON) gpu_acceptance/gpu_check.py $(if $(VLLM_SRC),--vllm-src $(VLLM_SRC))
 
 bench: $(STAMP)
 	$(VENV)/bin/mtpstate bench

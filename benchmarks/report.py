@@ -10,18 +10,26 @@ by this script from:
   bench-vllm``, i.e. ``mtpstate bench-vllm --level bookkeeping|runner
   --json ...`` in the vLLM venv (the whole bookkeeping and the runner's host
   step, on vLLM 0.34.0's real scheduler output);
-- ``docs/bench-before-after.json``: ``integrations/vllm/before_after.py``
+- ``docs/bench-before-after.json``: ``vllm_proof/before_after.py``
   (the last performance change, paired, on the same recorded vLLM steps);
 - ``docs/bench-vllm-breakdown.json``: ``harness.py --bench --runner
   --breakdown`` (the runner's host step with mtpstate on, method by method);
-- ``docs/bench-phases.json``: ``integrations/vllm/phases.py`` (the step
+- ``docs/bench-phases.json``: ``vllm_proof/phases.py`` (the step
   kernel's time, phase by phase);
 - ``docs/bench-device-cpu.json``: ``mtpstate bench --only device`` on the
   CPU; ``docs/bench-device-gpu.json``: the same on a GPU (``make
   gpu-check``'s ``bench-device.json``), when one has run.
 
+A figure inside a sentence is generated the same way, between
+``<!-- fig:SOURCE/WORKLOAD/FIELD[:FORMAT] -->`` and ``<!-- /fig -->``:
+``SOURCE`` names a JSON file (``FIGURE_SOURCES``), ``WORKLOAD`` one of its
+results, ``FIELD`` a dotted path into it (``phases_us.vllm.gather``), and
+``FORMAT`` how it is written (``FORMATS``: ``x`` a ratio, ``us`` microseconds,
+``int``, ``pct`` a share). ``tests/test_docs.py`` also fails on a figure
+typed by hand in the prose.
+
 Usage:
-  python benchmarks/report.py --write     # rewrite the regions in the docs
+  python benchmarks/report.py --write     # rewrite the regions and figures in the docs
   python benchmarks/report.py --plots     # docs/img/runner.png, docs/img/bookkeeping.png (matplotlib)
   python benchmarks/report.py --check     # exit 1 if a region differs from its JSON (tests/test_docs.py)
   python benchmarks/report.py NAME        # print one region
@@ -36,8 +44,9 @@ import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DOCS = os.path.join(ROOT, "docs")
-FILES = ("README.md", "docs/benchmarks.md", "docs/vllm.md", "docs/architecture.md")
+FILES = ("README.md", "docs/api.md", "docs/architecture.md", "docs/benchmarks.md", "docs/divergence.md", "docs/vllm.md")
 _REGION = re.compile(r"(<!-- report:([\w-]+) -->\n)(.*?)(<!-- /report:\2 -->)", re.S)
+_FIGURE = re.compile(r"(<!-- fig:([\w./:-]+) -->)(.*?)(<!-- /fig -->)", re.S)
 
 
 def _load(name: str):
@@ -147,7 +156,6 @@ def bookkeeping_table() -> str:
 
 
 RUNNER_ORDER = KINDS
-PHASES = ("finish", "add", "update", "gather", "prepare_inputs", "prepare_attn", "sample")  # ...vllm_bench.bench
 
 
 def runner_table(results: list[dict] | None = None) -> str:
@@ -155,7 +163,7 @@ def runner_table(results: list[dict] | None = None) -> str:
     plugin (on), one row per workload, from ``mtpstate bench-vllm --level runner``."""
     if results is None:
         results = _load("bench-vllm-runner.json")[1]
-    phases = [p for p in PHASES if p in results[0]["phases_us"]["vllm"]]
+    phases = list(results[0]["phases_us"]["vllm"])  # (in the bench's PHASES order, as it wrote them)
     rows = [
         "| workload | max running | off (vLLM), us | on (mtpstate), us | speedup (paired median, p10-p90) "
         f"| off: {' / '.join(phases)}, us | on: the same, us "
@@ -457,15 +465,105 @@ def plots() -> list[str]:
 
 
 # ----------------------------------------------------------------------------
+# figures inside sentences
+
+FIGURE_SOURCES = {
+    "runner": "bench-vllm-runner.json",
+    "bookkeeping": "bench-vllm.json",
+    "breakdown": "bench-vllm-breakdown.json",
+    "cpu": "bench-cpu.json",
+}
+
+FORMATS = {
+    "x": _x,
+    "us": lambda v: f"{v:.0f} us",
+    "int": lambda v: f"{v:.0f}",
+    "pct": lambda v: f"{100 * v:.0f}%",
+}
+
+
+def _breakdown_part(r: dict, *parts: str) -> float:
+    b = r["breakdown_us"]
+    apply_us = b["  of add_requests: RequestTable.apply"]
+    named = {"apply": apply_us, "hooks": b["finish_requests"] + b["add_requests"] - apply_us}
+    return sum(named[p] if p in named else b[p] for p in parts) / b["total"]
+
+
+# figures computed from a result (FIELD names one of these, else a path)
+DERIVED = {
+    "breakdown": {
+        # vLLM's per-request hooks: finish_requests' removal hooks, add_requests' around apply
+        "hooks_share": lambda r: _breakdown_part(r, "hooks"),
+        "apply_share": lambda r: _breakdown_part(r, "apply"),
+        "prepare_share": lambda r: _breakdown_part(r, "prepare_inputs", "prepare_attn"),
+    },
+}
+
+
+def figure(spec: str) -> str:
+    """The text of figure ``SOURCE/WORKLOAD/FIELD[:FORMAT]`` (see the module
+    docstring); KeyError for a name that does not resolve."""
+    path, _, fmt = spec.partition(":")
+    source, workload, field = path.split("/", 2)
+    _, results = _load(FIGURE_SOURCES[source])
+    matches = [r for r in results if r.get("workload") == workload]
+    if len(matches) != 1:
+        raise KeyError(f"{spec}: {len(matches)} results for workload {workload!r} in {FIGURE_SOURCES[source]}")
+    value = matches[0]
+    derived = DERIVED.get(source, {}).get(field)
+    if derived is not None:
+        return FORMATS[fmt or "x"](derived(value))
+    for key in field.split("."):
+        value = value[key]
+    return FORMATS[fmt or "x"](value)
+
+
+# a number with a unit of time, a ratio or a share, in the prose (outside
+# the generated regions and figures, code blocks and inline code)
+_MEASURED = re.compile(r"(?<![\w.\-])~?\d[\d,.]*(?:\s?-\s?\d[\d,.]*)?\s?(?:x|us|ns|ms|s|%)(?![\w])")
+# such numbers that state a workload's input, not a result: (file, the
+# sentence's words around it)
+INPUTS = {
+    ("docs/benchmarks.md", "a new block for ~25% of requests"),  # steady-decode's block appends
+    ("docs/benchmarks.md", "for ~25% of requests a block append"),  # (the same workload)
+    ("docs/benchmarks.md", "Requests carry a mix of sampling params"),  # SAMPLING_MIX's shares
+}
+
+
+def hand_typed(rel: str, text: str) -> list[str]:
+    """The measured-looking numbers typed by hand in ``text`` (file ``rel``):
+    each paragraph's numbers with a unit, unless the paragraph states a
+    workload's input (:data:`INPUTS`)."""
+    text = _REGION.sub("", text)
+    text = _FIGURE.sub("", text)
+    text = re.sub(r"```.*?```", "", text, flags=re.S)
+    text = re.sub(r"`[^`\n]*`", "", text)
+    out = []
+    for para in re.split(r"\n\s*\n", text):
+        words = " ".join(para.split())
+        if any(f == rel and phrase in words for f, phrase in INPUTS):
+            continue
+        out += [f"{rel}: {m.group(0)!r} typed by hand in: {words[:80]}..." for m in _MEASURED.finditer(words)]
+    return out
+
+
+def _figures_rewritten(text: str) -> str:
+    return _FIGURE.sub(lambda m: m.group(1) + figure(m.group(2)) + m.group(4), text)
+
+
+# ----------------------------------------------------------------------------
 # the docs' regions
 
 
 def _rewrite(text: str) -> str:
-    return _REGION.sub(lambda m: m.group(1) + REGIONS[m.group(2)]() + "\n" + m.group(4), text)
+    text = _REGION.sub(lambda m: m.group(1) + REGIONS[m.group(2)]() + "\n" + m.group(4), text)
+    return _figures_rewritten(text)
 
 
 def check() -> list[str]:
-    """The (file, region) pairs whose text differs from what the JSON gives."""
+    """The regions and figures whose text differs from what the JSON gives
+    (``file: region`` or ``file: fig NAME``), figures that name nothing, and
+    measured-looking numbers typed by hand (:func:`hand_typed`)."""
     bad = []
     for rel in FILES:
         with open(os.path.join(ROOT, rel)) as f:
@@ -473,6 +571,15 @@ def check() -> list[str]:
         for m in _REGION.finditer(text):
             if m.group(3) != REGIONS[m.group(2)]() + "\n":
                 bad.append(f"{rel}: {m.group(2)}")
+        for m in _FIGURE.finditer(text):
+            try:
+                want = figure(m.group(2))
+            except (KeyError, ValueError, TypeError) as e:
+                bad.append(f"{rel}: fig {m.group(2)} names nothing ({e})")
+                continue
+            if m.group(3) != want:
+                bad.append(f"{rel}: fig {m.group(2)}")
+        bad += hand_typed(rel, text)
     return bad
 
 
@@ -500,7 +607,10 @@ def main(argv: list[str]) -> int:
     elif argv[0] == "--check":
         bad = check()
         for b in bad:
-            print(f"differs from its JSON: {b} (run: python benchmarks/report.py --write)")
+            print(
+                f"differs from its JSON: {b} (run: python benchmarks/report.py --write; a figure typed by hand: "
+                "make it a <!-- fig:... --> or a region)"
+            )
         return 1 if bad else 0
     elif argv[0] in REGIONS:
         print(REGIONS[argv[0]]())

@@ -15,7 +15,7 @@ import numpy as np
 
 from mtpstate._kernels import slots as T
 from mtpstate._kernels import status as K
-from mtpstate._kernels.native import ARRAY_LAYOUT_OK
+from mtpstate._kernels.cpython import ARRAY_LAYOUT_OK
 from mtpstate.errors import DuplicateRequestError, InvalidStepError, StateError
 from mtpstate.index import canonical_ids, key_text
 

@@ -20,8 +20,8 @@ import numpy as np
 
 from mtpstate._kernels import slots as T
 from mtpstate._kernels import status as K
+from mtpstate._kernels.cpython import ARRAY_LAYOUT_OK, ASCII_DATA_OFFSET, DICT_LAYOUT_OK, PY_ADDRESSES
 from mtpstate._kernels.index import INLINE_BYTES, KEY_WORDS, ix_find, ix_insert, ix_remove
-from mtpstate._kernels.native import ARRAY_LAYOUT_OK, ASCII_DATA_OFFSET, DICT_LAYOUT_OK, PY_ADDRESSES
 from mtpstate.errors import (
     CapacityError,
     DuplicateRequestError,

@@ -26,11 +26,12 @@ from mtpstate.errors import InvalidStepError, StateError
 from mtpstate.index import RequestIndex
 from mtpstate.results import BatchReqState, StepResult, input_views
 from mtpstate.step_errors import raise_step_error
+from mtpstate.table_device import _DeviceSide
 
 __all__ = ["RequestTable"]
 
 
-class RequestTable:
+class RequestTable(_DeviceSide):
     """Per-request state in flat arrays indexed by row, updated one scheduler
     step at a time.
 
@@ -112,19 +113,7 @@ class RequestTable:
         max_num_logits: int | None = None,
         _hash_bits: int = 63,
     ):
-        R = operator.index(max_num_reqs)
-        L = operator.index(max_model_len)
-        if R <= 0 or L <= 0:
-            raise ValueError("max_num_reqs and max_model_len must be positive")
-        block_sizes = [operator.index(b) for b in block_sizes]
-        if not block_sizes or any(b <= 0 for b in block_sizes):
-            raise ValueError("block_sizes must be a non-empty sequence of positive ints")
-        if max_num_blocks_per_group is None:
-            widths = [math.ceil(L / b) for b in block_sizes]
-        else:
-            widths = [operator.index(w) for w in max_num_blocks_per_group]
-            if len(widths) != len(block_sizes) or any(w <= 0 for w in widths):
-                raise ValueError("max_num_blocks_per_group needs one positive width per group")
+        R, L, block_sizes, widths = _checked_shape(max_num_reqs, max_model_len, block_sizes, max_num_blocks_per_group)
         ng = len(block_sizes)
         self.max_num_reqs = R
         self.max_model_len = L
@@ -152,6 +141,44 @@ class RequestTable:
         # rows of the last step: cached then new at [0, 2R), freed at [2R, 3R)
         self._res = np.zeros(3 * R, np.int32)
         self._tok_runs = np.zeros((R, T.TR_STRIDE), np.int64)  # [max_num_reqs, TR_STRIDE]: the step's token runs
+        self._make_batch_arrays(decode_query_len, sampled_tokens_per_step, max_num_logits)
+        self._mirror = None
+        token_ids = None
+        host_tokens = True
+        if device is not None:
+            from mtpstate.mirror import DeviceMirror
+
+            self._mirror = DeviceMirror(self, device, **(mirror_options or {}))
+            token_ids = self._mirror.host_token_ids
+            host_tokens = self._mirror.keeps_host_token_ids
+        if token_ids is None and host_tokens:
+            token_ids = np.zeros((R, L), np.int32)
+        self.token_ids = token_ids  # [max_num_reqs, max_model_len]; None: the mirror's token target only
+        if prefault:
+            for a in (self._state, self.token_ids, *self.block_tables, self._scratch):
+                if a is not None:
+                    a.fill(0)
+
+        self._b_holder = [[]]  # the kernel puts each step's req_ids list here
+        self._new_holder = [None]  # what the kernel read of the step's new requests, until the call returns
+        c = self._ctx = _kernel_context(self)
+        # the same memory as Python ints: what the Python side reads and writes
+        # every step (a numpy scalar per access costs several times more)
+        cv = self._cv = memoryview(c)
+        self._batch = None
+        if self.decode_query_len:
+            self._batch = BatchReqState(cv, self._b, self._b_idx, self._b_bool, self._b_holder, self._b_inputs)
+        self._result = StepResult(self._res, cv, R, self._batch)
+        # staging slots stay 0 (off, no buffer) unless a device mirror opens a step
+        self._ix_addr = self._index._ctx_addr
+        self._tb_addr = int(c.ctypes.data)
+        if self._mirror is not None:
+            self._mirror.attach()
+
+    def _make_batch_arrays(self, decode_query_len, sampled_tokens_per_step, max_num_logits) -> None:
+        """The arrays the kernel builds a step's batch in (empty without
+        ``decode_query_len``: no batch, nothing extra paid)."""
+        R = self.max_num_reqs
         if decode_query_len is not None:
             decode_query_len = operator.index(decode_query_len)
             if decode_query_len <= 0:
@@ -179,67 +206,6 @@ class RequestTable:
         # every buffer the kernel may write them into: address -> its views
         self._b_inputs = {b_in.ctypes.data: input_views(b_in, self._b_exp, R)} if nb else {}
         self._b_in, self._b_in_addr = b_in, b_in.ctypes.data
-        self._mirror = None
-        token_ids = None
-        host_tokens = True
-        if device is not None:
-            from mtpstate.mirror import DeviceMirror
-
-            self._mirror = DeviceMirror(self, device, **(mirror_options or {}))
-            token_ids = self._mirror.host_token_ids
-            host_tokens = self._mirror.keeps_host_token_ids
-        if token_ids is None and host_tokens:
-            token_ids = np.zeros((R, L), np.int32)
-        self.token_ids = token_ids  # [max_num_reqs, max_model_len]; None: the mirror's token target only
-        if prefault:
-            for a in (self._state, self.token_ids, *self.block_tables, self._scratch):
-                if a is not None:
-                    a.fill(0)
-
-        c = self._ctx = np.zeros(T.TB_SIZE, np.int64)
-        c[T.TB_STATE] = self._state.ctypes.data
-        c[T.TB_R] = R
-        c[T.TB_STG_STRIDE] = R  # the mirror pads it (aligned device rows)
-        c[T.TB_NG] = ng
-        c[T.TB_BT_ADDR] = self._bt_addr.ctypes.data
-        c[T.TB_BT_W] = self._bt_w.ctypes.data
-        c[T.TB_TOK] = 0 if self.token_ids is None else self.token_ids.ctypes.data
-        c[T.TB_L] = L
-        c[T.TB_PREV_OBJ] = self._prev_obj.ctypes.data
-        c[T.TB_PREV_ROW] = self._prev_row.ctypes.data
-        c[T.TB_ROW_PREV_POS] = self._row_prev_pos.ctypes.data
-        c[T.TB_SCR] = self._scratch.ctypes.data
-        c[T.TB_FLAT_BT] = self._flat_bt.ctypes.data
-        c[T.TB_FLAT_TOK] = -1
-        c[T.TB_RES] = self._res.ctypes.data
-        c[T.TB_TOK_RUNS] = self._tok_runs.ctypes.data
-        c[T.TB_DQL] = decode_query_len or 0
-        c[T.TB_BATCH] = self._b.ctypes.data
-        c[T.TB_BATCH_IDX] = self._b_idx.ctypes.data
-        c[T.TB_BATCH_BOOL] = self._b_bool.ctypes.data
-        c[T.TB_BATCH_OBJ] = self._b_obj.ctypes.data
-        c[T.TB_B_N] = -1
-        c[T.TB_BIN] = self._b_in_addr if nb else 0
-        c[T.TB_BEXP] = self._b_exp.ctypes.data if E else 0
-        c[T.TB_B_EXP_CAP] = E
-        c[T.TB_BONUS] = bonus
-        self._b_holder = [[]]  # the kernel puts each step's req_ids list here
-        c[T.TB_B_HOLDER] = id(self._b_holder)
-        self._new_holder = [None]  # what the kernel read of the step's new requests, until the call returns
-        c[T.TB_NEW_HOLDER] = id(self._new_holder)
-        c[T.TB_NEW_NAMES] = _NEW_NAMES_ADDR.ctypes.data
-        # the same memory as Python ints: what the Python side reads and writes
-        # every step (a numpy scalar per access costs several times more)
-        cv = self._cv = memoryview(c)
-        self._batch = None
-        if decode_query_len:
-            self._batch = BatchReqState(cv, self._b, self._b_idx, self._b_bool, self._b_holder, self._b_inputs)
-        self._result = StepResult(self._res, cv, R, self._batch)
-        # staging slots stay 0 (off, no buffer) unless a device mirror opens a step
-        self._ix_addr = self._index._ctx_addr
-        self._tb_addr = int(c.ctypes.data)
-        if self._mirror is not None:
-            self._mirror.attach()
 
     # -- views of the host state ------------------------------------------
 
@@ -528,102 +494,13 @@ class RequestTable:
             objs = self._prev_obj[cur, :n].tolist()
             ctx[T.TB_PREV_N] = 0
             ctx[T.TB_PREV_OWNED] = 0
-            from mtpstate._kernels.native import py_decref as decref
+            from mtpstate._kernels.cpython import py_decref as decref
 
             for obj in objs:
                 if obj:
                     decref(obj)
         except Exception:
             pass
-
-    # -- device mirror -----------------------------------------------------
-
-    def _device_mirror(self):
-        if self._mirror is None:
-            raise StateError("this table has no device mirror (pass device=...)")
-        return self._mirror
-
-    @property
-    def device_tensors(self):
-        """torch tensors on ``device`` with the host arrays' names and shapes."""
-        return self._device_mirror().tensors
-
-    def upload_rows(self, rows, purpose: str = "rows"):
-        """Row numbers (e.g. a batch's ``idx_mapping_np``) as an int64 tensor
-        on the mirror's device: one non-blocking copy on the current stream
-        from a ring of persistent pinned buffers kept per ``purpose`` (no
-        pinned allocation per call; each buffer is refilled only after its
-        last copy completed). The tensor is valid for ``ring_depth`` calls
-        with the same ``purpose``; StateError without a device mirror or for
-        more rows than ``max_num_reqs``."""
-        return self._device_mirror().upload_rows(np.asarray(rows), purpose)
-
-    def device_idx_mapping(self):
-        """The last step's batch ``idx_mapping`` as an int64 tensor on the
-        mirror's device, shipped by the step's own device work (mirror
-        option ``idx_mapping=True``). Valid for ``ring_depth`` steps;
-        StateError without such a mirror or before a step with a batch."""
-        m = self._device_mirror()
-        if not m._idx_on:
-            raise StateError("this table's mirror does not ship idx_mapping (mirror_options={'idx_mapping': True})")
-        return m.idx_mapping()
-
-    def device_batch_inputs(self):
-        """The last step's batch inputs on the mirror's device, shipped by the
-        step's own device work (mirror option ``query_start_loc_target``):
-        ``(query_start_loc, cu_num_logits, zeros)``: the target (all
-        ``max_num_reqs + 1`` entries, padded with ``num_tokens``),
-        ``cu_num_logits`` (``num_reqs + 1``, int32) and ``num_reqs`` int32
-        zeros (vLLM's ``expanded_local_pos`` without drafts; never write into
-        them). Valid for ``ring_depth`` steps; StateError without such a
-        mirror or before a step with a batch."""
-        m = self._device_mirror()
-        if m._qsl_target is None:
-            raise StateError(
-                "this table's mirror does not ship the batch's inputs (mirror_options={'query_start_loc_target': ...})"
-            )
-        return m.batch_inputs()
-
-    def device_expanded_logits(self):
-        """The last step's ``(expanded_idx_mapping, expanded_local_pos)`` on
-        the mirror's device (int64 and int32, ``num_logits`` entries each:
-        the batch's ``expanded_idx_mapping_np`` / ``expanded_local_pos_np``),
-        shipped by the step's own device work with ``cu_num_logits``; None
-        when the batch has them None. Valid for ``ring_depth`` steps;
-        StateError as :meth:`device_batch_inputs`."""
-        self.device_batch_inputs()  # (the same checks)
-        return self._mirror.expanded_inputs()
-
-    def synchronize(self) -> None:
-        """Wait until every launched copy has landed (a stale mirror is
-        resynchronized first: :class:`~mtpstate.MirrorFaultError`)."""
-        if self._mirror is not None:
-            self._mirror.synchronize()
-
-    def transfer_stats(self) -> dict:
-        """The device mirror's traffic and memory.
-
-        ``bytes``, ``copies``, ``replays``: host-to-device traffic of the last
-        step (padded to its size buckets; 0 when it shipped nothing), the
-        copies and graph replays that carried it. ``path``: how device work
-        is issued (``"graph"``, ``"eager"``, ``"host"``; None without a
-        mirror), ``graph_error`` why not as graphs where they were wanted.
-        ``pinned_bytes``, ``device_bytes`` (of which ``graph_pool_bytes``):
-        the host staging (page-locked on CUDA) and device memory the mirror
-        holds, all of it allocated when the table was built;
-        ``staging_capacity``, ``token_chunk``, ``overflow_chunks``: its sizes.
-        """
-        if self._mirror is None:
-            return {"bytes": 0, "copies": 0, "path": None}
-        return self._mirror.stats()
-
-    def close(self) -> None:
-        """Release the device mirror's staging after the device work in
-        flight that reads it has completed (dropping the table does the same);
-        the device tensors stay valid. Later calls that change the table
-        raise StateError. Nothing to do without a mirror."""
-        if self._mirror is not None:
-            self._mirror.close()
 
     def __repr__(self) -> str:
         m = self._mirror
@@ -634,6 +511,63 @@ class RequestTable:
             f"RequestTable(max_num_reqs={self.max_num_reqs}, max_model_len={self.max_model_len}, "
             f"block_sizes={list(self.block_sizes)}, live={len(self)}{mirror})"
         )
+
+
+def _checked_shape(max_num_reqs, max_model_len, block_sizes, max_num_blocks_per_group):
+    """``(R, L, block_sizes, widths)``, checked: positive ints, one positive
+    block-table width per group (default ``ceil(max_model_len / block_size)``)."""
+    R = operator.index(max_num_reqs)
+    L = operator.index(max_model_len)
+    if R <= 0 or L <= 0:
+        raise ValueError("max_num_reqs and max_model_len must be positive")
+    block_sizes = [operator.index(b) for b in block_sizes]
+    if not block_sizes or any(b <= 0 for b in block_sizes):
+        raise ValueError("block_sizes must be a non-empty sequence of positive ints")
+    if max_num_blocks_per_group is None:
+        widths = [math.ceil(L / b) for b in block_sizes]
+    else:
+        widths = [operator.index(w) for w in max_num_blocks_per_group]
+        if len(widths) != len(block_sizes) or any(w <= 0 for w in widths):
+            raise ValueError("max_num_blocks_per_group needs one positive width per group")
+    return R, L, block_sizes, widths
+
+
+def _kernel_context(t: RequestTable) -> np.ndarray:
+    """The table's context for the kernels (``_kernels.slots`` ``TB_*``):
+    the addresses of its arrays and its sizes. The arrays must stay
+    referenced, and never be reallocated, while the table lives."""
+    R, nb, E = t.max_num_reqs, len(t._b_idx), t._max_num_logits
+    c = np.zeros(T.TB_SIZE, np.int64)
+    c[T.TB_STATE] = t._state.ctypes.data
+    c[T.TB_R] = R
+    c[T.TB_STG_STRIDE] = R  # the mirror pads it (aligned device rows)
+    c[T.TB_NG] = t.num_groups
+    c[T.TB_BT_ADDR] = t._bt_addr.ctypes.data
+    c[T.TB_BT_W] = t._bt_w.ctypes.data
+    c[T.TB_TOK] = 0 if t.token_ids is None else t.token_ids.ctypes.data
+    c[T.TB_L] = t.max_model_len
+    c[T.TB_PREV_OBJ] = t._prev_obj.ctypes.data
+    c[T.TB_PREV_ROW] = t._prev_row.ctypes.data
+    c[T.TB_ROW_PREV_POS] = t._row_prev_pos.ctypes.data
+    c[T.TB_SCR] = t._scratch.ctypes.data
+    c[T.TB_FLAT_BT] = t._flat_bt.ctypes.data
+    c[T.TB_FLAT_TOK] = -1
+    c[T.TB_RES] = t._res.ctypes.data
+    c[T.TB_TOK_RUNS] = t._tok_runs.ctypes.data
+    c[T.TB_DQL] = t.decode_query_len or 0
+    c[T.TB_BATCH] = t._b.ctypes.data
+    c[T.TB_BATCH_IDX] = t._b_idx.ctypes.data
+    c[T.TB_BATCH_BOOL] = t._b_bool.ctypes.data
+    c[T.TB_BATCH_OBJ] = t._b_obj.ctypes.data
+    c[T.TB_B_N] = -1
+    c[T.TB_BIN] = t._b_in_addr if nb else 0
+    c[T.TB_BEXP] = t._b_exp.ctypes.data if E else 0
+    c[T.TB_B_EXP_CAP] = E
+    c[T.TB_BONUS] = t.sampled_tokens_per_step
+    c[T.TB_B_HOLDER] = id(t._b_holder)
+    c[T.TB_NEW_HOLDER] = id(t._new_holder)
+    c[T.TB_NEW_NAMES] = _NEW_NAMES_ADDR.ctypes.data
+    return c
 
 
 def _kernel_args(b: Step) -> tuple:

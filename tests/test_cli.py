@@ -243,7 +243,7 @@ def test_bench_vllm_without_vllm(tmp_path):
     import importlib.util
 
     if importlib.util.find_spec("vllm") is not None:
-        pytest.skip("vLLM is installed here: integrations/vllm/test_bench_vllm.py covers bench-vllm with it")
+        pytest.skip("vLLM is installed here: vllm_proof/test_bench_vllm.py covers bench-vllm with it")
     for argv in ([], ["--device", "cuda"]):
         p = _bench_vllm_in(tmp_path, "--quick", "--json", "out.json", *argv)
         _unusable(p, tmp_path, "vLLM is not installed", sys.executable)

@@ -89,3 +89,34 @@ def test_the_figures_check_can_fail(monkeypatch):
     report = _report()
     monkeypatch.setitem(report.REGIONS, "runner", lambda: "| a table typed by hand |")
     assert report.check() == ["docs/vllm.md: runner"]
+
+
+def test_a_figure_in_a_sentence_is_checked(monkeypatch, tmp_path):
+    """A figure inside a sentence (``<!-- fig:... -->``) that no longer says
+    what its JSON says is reported, as is one that names nothing."""
+    report = _report()
+    right = report.figure("runner/steady-1/speedup")
+    (tmp_path / "doc.md").write_text(
+        f"<!-- fig:runner/steady-1/speedup -->{right}<!-- /fig --> faster, "
+        "<!-- fig:runner/steady-16/speedup -->9.99x<!-- /fig --> at 16 "
+        "and <!-- fig:runner/no-such/speedup -->1x<!-- /fig -->.\n"
+    )
+    monkeypatch.setattr(report, "ROOT", str(tmp_path))
+    monkeypatch.setattr(report, "FILES", ("doc.md",))
+    bad = report.check()
+    assert bad[0] == "doc.md: fig runner/steady-16/speedup"
+    assert bad[1].startswith("doc.md: fig runner/no-such/speedup names nothing")
+    assert len(bad) == 2
+
+
+def test_a_figure_typed_by_hand_is_found():
+    """A measured-looking number in the prose fails the check unless it is
+    generated (a region or a figure) or states a workload's input."""
+    report = _report()
+    assert report.hand_typed("README.md", "The runner is 3.5x faster at N = 1.")
+    assert report.hand_typed("docs/vllm.md", "Its update takes ~5-8 ns per request.")
+    assert len(report.hand_typed("docs/vllm.md", "It compiles in 14.0 s, 20% less.")) == 2
+    assert not report.hand_typed("README.md", "It is <!-- fig:runner/steady-1/speedup -->1.94x<!-- /fig --> faster.")
+    assert not report.hand_typed("README.md", "Run `mtpstate bench --repeats 5` (`5 s`).")
+    assert not report.hand_typed("docs/benchmarks.md", "Requests carry a mix of sampling params: 22% greedy.")
+    assert report.hand_typed("docs/vllm.md", "Requests carry a mix of sampling params: 22% greedy.")  # (per file)

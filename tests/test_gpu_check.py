@@ -1,4 +1,4 @@
-"""`make gpu-check` (integrations/gpu/gpu_check.py) must be right the first
+"""`make gpu-check` (gpu_acceptance/gpu_check.py) must be right the first
 time it meets a GPU: within its 8-minute budget, results only in its output
 directory, and a clear verdict when something is missing."""
 
@@ -8,7 +8,7 @@ import subprocess
 import sys
 
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
-SCRIPT = os.path.join(ROOT, "integrations", "gpu", "gpu_check.py")
+SCRIPT = os.path.join(ROOT, "gpu_acceptance", "gpu_check.py")
 
 
 def _load():

@@ -361,7 +361,7 @@ def test_buffers_outlive_the_replays_that_read_them(drop):
     behind a held-back consumer: the replays still run on live buffers
     (the close waits for them); the mutant that releases without waiting
     leaves a queued replay whose graph's tensors are gone."""
-    from mtpstate import mirror as mirror_module
+    from mtpstate.mirror import device_mirror as mirror_module
 
     for waits in (True, False):
         ops = DeferredOps(torch, seed=8)

@@ -335,7 +335,7 @@ class _Slotted:
 @settings(max_examples=60, deadline=None)
 @given(st.lists(PARAMS, min_size=1, max_size=R))
 def test_fields_read_in_place_from_slots_equal_getattr(sps):
-    from mtpstate.integrations.vllm.sampler import _slot_offset
+    from mtpstate.integrations.vllm.sampler.params_writer import _slot_offset
 
     slotted = [_Slotted(**vars(sp)) for sp in sps]
     offs = [-1] + [_slot_offset(_Slotted, slotted[0], n) for n in P.SP_NAMES[1:]]

@@ -21,25 +21,19 @@ from __future__ import annotations
 import numpy as np
 
 from mtpstate._kernels.add import _table_find
-from mtpstate._kernels.index import _hash_key, _ix_arrays, _ix_params, _probe, _raw_equal
-from mtpstate._kernels.jit import jit
-from mtpstate._kernels.native import (
+from mtpstate._kernels.cpython import (
     DICT_MA_USED,
     OFF_ITEMS,
     OFF_SIZE,
     OFF_TYPE,
     err_clear,
     incref,
-    ld32,
-    ld64,
     list_new,
     list_set_item,
-    load_i64,
-    st8,
-    st32,
-    st64,
-    view_i64,
 )
+from mtpstate._kernels.index import _hash_key, _ix_arrays, _ix_params, _probe, _raw_equal
+from mtpstate._kernels.jit import jit
+from mtpstate._kernels.native import ld32, ld64, load_i64, st8, st32, st64, view_i64
 from mtpstate._kernels.pyobjects import _dict_item, _dict_open, _int_of, _item, _key_of
 from mtpstate._kernels.slots import (
     B_DRAFTS,

@@ -23,8 +23,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from mtpstate._kernels.jit import jit
-from mtpstate._kernels.native import (
+from mtpstate._kernels.cpython import (
     OFF_SIZE,
     OFF_TYPE,
     err_clear,
@@ -33,9 +32,9 @@ from mtpstate._kernels.native import (
     is_subtype,
     list_new,
     list_set_item,
-    load_i64,
-    view_i64,
 )
+from mtpstate._kernels.jit import jit
+from mtpstate._kernels.native import load_i64, view_i64
 from mtpstate._kernels.pyobjects import _int_of, _item, _seq
 from mtpstate._kernels.slots import (
     H_BLOCKS,

@@ -2,15 +2,14 @@
 (``_pytypes``), a request id's UTF-8 bytes, an exact list or tuple, an int,
 an int vector (a list, an ``array.array``, a raw buffer), a list of int31
 ids (token ids, block ids), a dict's entries.
-Built on the primitives of ``native.py``; every reader checks the exact type
+Built on the primitives of ``native.py`` and ``cpython.py``; every reader checks the exact type
 before it relies on a layout, and says so in its status."""
 
 from __future__ import annotations
 
 import numpy as np
 
-from mtpstate._kernels.jit import jit
-from mtpstate._kernels.native import (
+from mtpstate._kernels.cpython import (
     DICT_MA_KEYS,
     DICT_MA_VALUES,
     DK_INDICES,
@@ -24,14 +23,10 @@ from mtpstate._kernels.native import (
     bytes_data,
     dict_next,
     int_value,
-    ld64,
-    load_i32,
-    load_i64,
-    load_u8,
-    load_u32,
-    load_u64,
     str_utf8,
 )
+from mtpstate._kernels.jit import jit
+from mtpstate._kernels.native import ld64, load_i32, load_i64, load_u8, load_u32, load_u64
 from mtpstate._kernels.slots import (
     IX_ASCII_OFF,
     IX_FALSE,

@@ -21,22 +21,9 @@ from __future__ import annotations
 
 import numpy as np
 
+from mtpstate._kernels.cpython import OFF_SIZE, OFF_TYPE, decref, err_clear, getattr_held, int_value
 from mtpstate._kernels.jit import jit
-from mtpstate._kernels.native import (
-    OFF_SIZE,
-    OFF_TYPE,
-    call_u64,
-    decref,
-    err_clear,
-    getattr_held,
-    int_value,
-    load_i64,
-    view_f32,
-    view_f64,
-    view_i32,
-    view_i64,
-    view_u8,
-)
+from mtpstate._kernels.native import call_u64, load_i64, view_f32, view_f64, view_i32, view_i64, view_u8
 
 # the attribute names sp_read reads, in this order (their str objects' addresses)
 SP_NAMES = (

@@ -30,10 +30,11 @@ import numpy as np
 
 from mtpstate._kernels.add import _apply_new, _check_new, _new_keys
 from mtpstate._kernels.batch import resolve_batch, write_batch
+from mtpstate._kernels.cpython import OFF_ITEMS
 from mtpstate._kernels.decode import _update_only
 from mtpstate._kernels.index import _arena_short, _hash_key, _ix_arrays, _ix_commit, _ix_params, _probe
 from mtpstate._kernels.jit import jit
-from mtpstate._kernels.native import OFF_ITEMS, view_i32, view_i64
+from mtpstate._kernels.native import view_i32, view_i64
 from mtpstate._kernels.new_requests import descriptors_from_list, read_new_requests
 from mtpstate._kernels.pyobjects import _int_of, _item, _key_of, _pytypes, _seq
 from mtpstate._kernels.slots import (

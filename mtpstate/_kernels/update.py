@@ -17,21 +17,10 @@ from __future__ import annotations
 import numpy as np
 
 from mtpstate._kernels.add import _new_keys, _table_add, _table_find
+from mtpstate._kernels.cpython import OFF_TYPE, decref, incref
 from mtpstate._kernels.index import _hash_key, _ix_arrays, _ix_params, _key_matches_row, _probe
 from mtpstate._kernels.jit import jit
-from mtpstate._kernels.native import (
-    OFF_TYPE,
-    decref,
-    incref,
-    ld32,
-    ld64,
-    load_i64,
-    prefetch,
-    st32,
-    st64,
-    view_i32,
-    view_i64,
-)
+from mtpstate._kernels.native import ld32, ld64, load_i64, prefetch, st32, st64, view_i32, view_i64
 from mtpstate._kernels.pyobjects import _check_int31_list, _item, _key_of, _seq, _vec, _vget
 from mtpstate._kernels.slots import (
     F_NB,

@@ -13,7 +13,7 @@ are ``mtpstate bench-vllm`` (``make bench-vllm``). Needs vLLM's source on
 ``sys.path`` (``make test-vllm`` sets it up; nothing is built and no model is
 downloaded).
 
-Run: ``python integrations/vllm/harness.py [--workload NAME] [--runner [--deferred | --sabotage KIND]]
+Run: ``python vllm_proof/harness.py [--workload NAME] [--runner [--deferred | --sabotage KIND]]
 [--breakdown]``.
 """
 

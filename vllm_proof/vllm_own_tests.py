@@ -9,7 +9,7 @@ three ways; exactly the tests that pass without mtpstate must pass with it.
 Some of these tests fail on CPU with or without mtpstate (no CUDA, no
 Triton, optional packages, no model hub): pass sets are compared, not totals.
 
-Usage: python integrations/vllm/vllm_own_tests.py SRC PATCHED_SRC [--json FILE]
+Usage: python vllm_proof/vllm_own_tests.py SRC PATCHED_SRC [--json FILE]
 """
 
 from __future__ import annotations

@@ -78,6 +78,6 @@ def test_runner_differential_can_fail(kind):
 
 def test_patch_applies_to_pristine_source():
     src = os.environ["PYTHONPATH"].split(os.pathsep)[0]
-    patch = os.path.join(HERE, "..", "..", "mtpstate", "integrations", "vllm", "mrv2.patch")
+    patch = os.path.join(HERE, "..", "mtpstate", "integrations", "vllm", "mrv2.patch")
     p = subprocess.run(["patch", "-p1", "--dry-run", "-d", src, "-i", patch], capture_output=True, text=True)
     assert p.returncode == 0, p.stdout + p.stderr

@@ -10,7 +10,7 @@ phase of the general step (``_general``) and of the update-only step
 (``_update_only``), converted with the counter's rate measured against
 ``time.perf_counter``.
 
-    python integrations/vllm/phases.py --workload busy-1024 --workload steady-4096 [--json out.json]
+    python vllm_proof/phases.py --workload busy-1024 --workload steady-4096 [--json out.json]
 
 Run with the vLLM tier's environment (``make test-vllm`` builds it).
 """
@@ -26,7 +26,7 @@ import sys
 import tempfile
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(os.path.dirname(HERE))
+ROOT = os.path.dirname(HERE)
 
 # (text in step.py / decode.py the clock read goes before, phase that starts there)
 GENERAL = (

@@ -35,7 +35,7 @@ table is generated from it, committed as ``docs/bench-device-gpu.json``, by
 shared by its parts. Exit status 0 only if the tests and the benchmarks
 passed.
 
-Run from the repository root: ``python integrations/gpu/gpu_check.py
+Run from the repository root: ``python gpu_acceptance/gpu_check.py
 [--vllm-src DIR]``.
 """
 
@@ -51,7 +51,7 @@ import sys
 import tempfile
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BUDGET_S = 8 * 60  # the whole run, all parts together
 TESTS_S, DEVICE_S, BENCH_S = 240, 130, 80  # each part's own cap, within what the budget leaves
 

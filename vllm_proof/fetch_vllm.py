@@ -2,7 +2,7 @@
 built: ``pip download`` would run its metadata build, which needs a Rust
 toolchain). The archive's sha256 is pinned.
 
-Usage: python integrations/vllm/fetch_vllm.py DEST_DIR
+Usage: python vllm_proof/fetch_vllm.py DEST_DIR
 """
 
 import hashlib
