@@ -159,6 +159,7 @@ class BatchReqState:
         "_prefill_runs_as_decode",
         "_inputs",
         "_input_views",
+        "_presized",
     )
 
     def __init__(self, ctx, b, idx, bb, holder, inputs):
@@ -169,6 +170,7 @@ class BatchReqState:
         self._holder = holder  # [the last batch's req_ids], put there by the kernel
         self._inputs = inputs  # address -> input_views(): where the kernel may write the inputs
         self._input_views = {}  # (address, n or -1 - num_logits) -> the inputs' views (made once per buffer and size)
+        self._presized = 0  # of them, made ahead of time (presize_views)
         self._resize(0)
 
     @property
@@ -226,6 +228,7 @@ class BatchReqState:
                         a[T.BI_SEQ_UB, :R],
                         a[T.BI_NCT, :n],
                     )
+        self._presized = len(self._input_views)
 
     def _views(self):
         key = (self._ctx[T.TB_BIN], self._n)
@@ -235,7 +238,7 @@ class BatchReqState:
             n = self._n
             R = a.shape[1] - 1
             v = (a[T.BI_QSL], a[T.BI_CU_LOGITS, : n + 1], a[T.BI_SEQ_UB, :R], a[T.BI_NCT, :n])
-            self._input_views = _bounded(self._input_views)
+            self._input_views = bounded_views(self._input_views, self._presized)
             self._input_views[key] = v
         return v
 
@@ -248,7 +251,7 @@ class BatchReqState:
             _, pos, idx = self._inputs[key[0]]
             m = self._ctx[T.TB_B_NUM_LOGITS]
             v = (idx[:m], pos[:m])
-            self._input_views = _bounded(self._input_views)
+            self._input_views = bounded_views(self._input_views, self._presized)
             self._input_views[key] = v
         return v[i]
 
@@ -337,7 +340,13 @@ def input_views(buf: np.ndarray, expanded_idx: np.ndarray, R: int):
     return rows, buf[T.BI_ROWS * S :], expanded_idx
 
 
-def _bounded(views: dict) -> dict:
-    # one entry per buffer and size seen: bounded, in case sizes keep changing
-    # (above what presize_views makes: 2 buffers per slot and size)
-    return {} if len(views) >= 65536 else views
+# views a per-size cache may make beyond those made ahead of time
+VIEW_CACHE_SLACK = 4096
+
+
+def bounded_views(views: dict, presized: int = 0) -> dict:
+    """A cache of views by size (and buffer), before an entry is added:
+    emptied once it holds :data:`VIEW_CACHE_SLACK` more entries than the
+    ``presized`` ones made ahead of time, so that it stays bounded in case
+    sizes keep changing."""
+    return {} if len(views) >= presized + VIEW_CACHE_SLACK else views

@@ -483,23 +483,9 @@ class RequestTable(_DeviceSide):
     __deepcopy__ = __reduce_ex__ = lambda self, *a: self.__copy__()  # noqa: E731
 
     def __del__(self):
-        # the kernels hold a reference to each id object of the current
-        # prediction buffer (see _kernels.update); give them back. At
-        # interpreter exit modules may be half torn down: then do nothing.
         try:
-            ctx = self._ctx
-            if not ctx[T.TB_PREV_OWNED]:
-                return
-            cur, n = int(ctx[T.TB_PREV_CUR]), int(ctx[T.TB_PREV_N])
-            objs = self._prev_obj[cur, :n].tolist()
-            ctx[T.TB_PREV_N] = 0
-            ctx[T.TB_PREV_OWNED] = 0
-            from mtpstate._kernels.cpython import py_decref as decref
-
-            for obj in objs:
-                if obj:
-                    decref(obj)
-        except Exception:
+            _release_prediction(self._ctx, self._prev_obj)
+        except Exception:  # at interpreter exit modules may be half torn down: then nothing
             pass
 
     def __repr__(self) -> str:
@@ -568,6 +554,22 @@ def _kernel_context(t: RequestTable) -> np.ndarray:
     c[T.TB_NEW_HOLDER] = id(t._new_holder)
     c[T.TB_NEW_NAMES] = _NEW_NAMES_ADDR.ctypes.data
     return c
+
+
+def _release_prediction(ctx: np.ndarray, prev_obj: np.ndarray) -> None:
+    """Give back the reference the kernels hold to each id object of the
+    current prediction buffer (see ``_kernels.update``)."""
+    if not ctx[T.TB_PREV_OWNED]:
+        return
+    cur, n = int(ctx[T.TB_PREV_CUR]), int(ctx[T.TB_PREV_N])
+    objs = prev_obj[cur, :n].tolist()
+    ctx[T.TB_PREV_N] = 0
+    ctx[T.TB_PREV_OWNED] = 0
+    from mtpstate._kernels.cpython import py_decref as decref
+
+    for obj in objs:
+        if obj:
+            decref(obj)
 
 
 def _kernel_args(b: Step) -> tuple:

@@ -284,3 +284,29 @@ def test_random_junk_in_cached_lists(junk, attr):
     else:
         w.loop.apply(so)
         assert_tables_agree(w.t, w.loop)
+
+
+def test_a_kernel_without_a_cpython_wrapper_refuses_a_call_from_python():
+    """A kernel that only other kernels call has no CPython wrapper: called
+    from Python it raises a TypeError naming it (in a subprocess: without
+    the refusal the call jumps into nothing and kills the process), while
+    the entry kernels that call it still run."""
+    code = (
+        "from mtpstate._kernels.pyobjects import _int_of\n"
+        "from mtpstate._kernels import jit\n"
+        "assert '_int_of' not in jit.ENTRY_KERNELS\n"
+        "try:\n"
+        "    _int_of(id(1), tuple(range(10)))\n"
+        "except TypeError as e:\n"
+        "    print('refused:', e)\n"
+        "import mtpstate\n"
+        "from mtpstate.tools.sim import Simulator\n"
+        "t = mtpstate.RequestTable(8, 256, decode_query_len=3)\n"
+        "for so in Simulator(max_num_reqs=8, max_model_len=256, num_spec=2, seed=0).run(30):\n"
+        "    t.apply(so)\n"
+        "print('live', len(t) > 0)\n"
+    )
+    p = _run(["-c", code])
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert "refused: mtpstate: mtpstate._kernels.pyobjects._int_of is a kernel that only other kernels call" in p.stdout
+    assert "live True" in p.stdout

@@ -10,6 +10,7 @@ import time
 
 import numba
 import numba.core.event
+from numba.core.registry import CPUDispatcher
 
 __all__ = ["COMPILE_NOTICE", "ENTRY_KERNELS", "JIT_DISABLED", "jit"]
 
@@ -57,16 +58,35 @@ def jit(fn=None, *, signature: str | None = None, **kwargs):
     args = () if signature is None else (signature,)
 
     # only the entry kernels are called from Python: the others need no
-    # CPython wrapper (one less function per kernel to generate and compile)
+    # CPython wrapper (one less function per kernel to generate and compile),
+    # and refuse a call from Python, which would otherwise crash the process
     def decorate(f):
         opts = dict(options)
-        if f.__name__ not in ENTRY_KERNELS:
+        entry = f.__name__ in ENTRY_KERNELS
+        if not entry:
             opts.update(no_cpython_wrapper=True, no_cfunc_wrapper=True)
-        return numba.njit(*args, **opts)(f)
+        kernel = numba.njit(*args, **opts)(f)
+        if not entry and isinstance(kernel, CPUDispatcher):
+            kernel.__class__ = _KernelOnly
+        return kernel
 
     if fn is None:
         return decorate
     return decorate(fn)
+
+
+class _KernelOnly(CPUDispatcher):
+    """A kernel that only other kernels call: compiled without a CPython
+    wrapper, so a call from Python is refused (it would jump into code that
+    does not exist). Kernels call it as any dispatcher."""
+
+    def __call__(self, *args, **kwargs):
+        f = self.py_func
+        raise TypeError(
+            f"mtpstate: {f.__module__}.{f.__qualname__} is a kernel that only other kernels call (compiled "
+            "without a CPython wrapper): call it from a kernel, or list it in "
+            "mtpstate._kernels.jit.ENTRY_KERNELS to call it from Python"
+        )
 
 
 class _CompileNotice(numba.core.event.Listener):

@@ -35,7 +35,7 @@ from mtpstate._kernels.cpython import (
 )
 from mtpstate._kernels.jit import jit
 from mtpstate._kernels.native import load_i64, view_i64
-from mtpstate._kernels.pyobjects import _int_of, _item, _seq
+from mtpstate._kernels.pyobjects import INT_NONE, INT_NOT_INT, INT_RANGE, _int_of, _item, _seq, read_int
 from mtpstate._kernels.slots import (
     H_BLOCKS,
     H_MAX_TOKENS,
@@ -98,18 +98,6 @@ def _token_kind(obj, tp, array_type, array_ok):
     return -1
 
 
-@jit(signature="Tuple((int64, boolean))(int64, UniTuple(int64, 10), int64, int64)")
-def _exact_int_or(obj, tp, default, out_of_range):
-    """(value, ok) of an exact int (``out_of_range`` outside int64, which
-    pass 1 rejects), ``default`` for None; ok False for any other type."""
-    if obj == tp[5]:
-        return default, True
-    if load_i64(obj + OFF_TYPE) != tp[4]:
-        return 0, False
-    v, st = _int_of(obj, tp)
-    return (v if st == OK else out_of_range), True
-
-
 @jit
 def _describe_read(nd, k, got, tp, array_type, array_ok):
     """Descriptor k from the attributes read (``got``, by H_* slot); False
@@ -129,10 +117,16 @@ def _describe_read(nd, k, got, tp, array_type, array_ok):
     t_blocks = load_i64(blocks + OFF_TYPE)
     if tkind < 0 or not (t_blocks == tp[0] or t_blocks == tp[1]) or got[H_NCT] == none:
         return False
-    nct, ok1 = _exact_int_or(got[H_NCT], tp, -1, -1)
-    mt, ok2 = _exact_int_or(got[H_MAX_TOKENS], tp, 1, -1)
-    if not (ok1 and ok2):
+    nct, k_nct = read_int(got[H_NCT], tp[4], none)
+    mt, k_mt = read_int(got[H_MAX_TOKENS], tp[4], none)
+    if k_nct == INT_NOT_INT or k_mt == INT_NOT_INT:
         return False
+    if k_nct == INT_RANGE:
+        nct = -1  # (pass 1 rejects it)
+    if k_mt == INT_NONE:
+        mt = 1  # (None: 1, as vLLM takes it)
+    elif k_mt == INT_RANGE:
+        mt = -1  # (pass 1 rejects it)
     d = k * NEW_STRIDE
     nd[d + N_KEY] = rid
     nd[d + N_PLEN] = load_i64(prompt + OFF_SIZE)  # item count (list, tuple, array)

@@ -102,16 +102,37 @@ def _seq(obj, tp):
 _item = ld64
 
 
+# what read_int found (its second result)
+INT_OK = 0  # an exact int within int64: the value
+INT_NONE = 1  # None
+INT_NOT_INT = 2  # anything but an exact int or None
+INT_RANGE = 3  # an exact int outside int64
+
+
 @jit
-def _int_of(obj, tp):
-    """(value, status) of an exact int; E_INT_RANGE outside int64,
-    E_NOT_CANONICAL for anything that is not an exact int."""
-    if load_i64(obj + OFF_TYPE) != tp[4]:
-        return 0, E_NOT_CANONICAL
+def read_int(obj, int_type, none):
+    """The one reading of an int the kernels take from a Python object:
+    ``(value, INT_*)``. ``int_type``, ``none``: the addresses of ``int`` and
+    ``None``. Each caller maps the kind to its own status."""
+    if obj == none:
+        return 0, INT_NONE
+    if load_i64(obj + OFF_TYPE) != int_type:
+        return 0, INT_NOT_INT
     v, ok = int_value(obj)
     if not ok:
-        return 0, E_INT_RANGE
-    return v, OK
+        return 0, INT_RANGE
+    return v, INT_OK
+
+
+@jit
+def _int_of(obj, tp):
+    """(value, status) of an exact int (``tp``: the step's type addresses);
+    E_INT_RANGE outside int64, E_NOT_CANONICAL for anything else (None
+    too)."""
+    v, kind = read_int(obj, tp[4], tp[5])
+    if kind == INT_OK:
+        return v, OK
+    return 0, (E_INT_RANGE if kind == INT_RANGE else E_NOT_CANONICAL)
 
 
 @jit

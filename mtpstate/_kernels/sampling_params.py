@@ -24,6 +24,7 @@ import numpy as np
 from mtpstate._kernels.cpython import OFF_SIZE, OFF_TYPE, decref, err_clear, getattr_held, int_value
 from mtpstate._kernels.jit import jit
 from mtpstate._kernels.native import call_u64, load_i64, view_f32, view_f64, view_i32, view_i64, view_u8
+from mtpstate._kernels.pyobjects import INT_NONE, INT_OK, INT_RANGE, read_int
 
 # the attribute names sp_read reads, in this order (their str objects' addresses)
 SP_NAMES = (
@@ -115,16 +116,12 @@ def _number(obj, tp):
 def _integer(obj, tp, none_value):
     """(value, status) of an exact int, ``none_value`` for None (status
     SPR_TYPE where None is not allowed: ``none_value`` < -2**62)."""
-    if obj == tp[2]:
-        if none_value < -(2**62):
-            return 0, SPR_TYPE
+    v, kind = read_int(obj, tp[1], tp[2])
+    if kind == INT_OK:
+        return v, SPR_OK
+    if kind == INT_NONE and none_value >= -(2**62):
         return none_value, SPR_OK
-    if load_i64(obj + OFF_TYPE) != tp[1]:
-        return 0, SPR_TYPE
-    v, ok = int_value(obj)
-    if not ok:
-        return 0, SPR_RANGE
-    return v, SPR_OK
+    return 0, (SPR_RANGE if kind == INT_RANGE else SPR_TYPE)
 
 
 @jit(signature="boolean(int64, UniTuple(int64, 4), int64, int64)")

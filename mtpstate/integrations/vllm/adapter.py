@@ -26,7 +26,7 @@ import numpy as np
 
 from mtpstate._kernels import slots as _T
 from mtpstate.integrations.vllm import sampler as _sampler
-from mtpstate.results import StepResult
+from mtpstate.results import StepResult, bounded_views
 from mtpstate.table import RequestTable
 
 __all__ = ["ModelRunnerV2State"]
@@ -379,14 +379,14 @@ class ModelRunnerV2State:
         si = self._req_views.get(key)
         if si is None:
             si = self._step_inputs(b, n, num_reqs_padded)
-            self._req_views = _bounded(self._req_views)
+            self._req_views = bounded_views(self._req_views)
             self._req_views[key] = si
         tv = self._token_views.get(num_tokens_padded)
         if tv is None:
             ib = self.runner.input_buffers
             p = num_tokens_padded
             tv = (ib.input_ids[:p], ib.positions[:p], ib.is_padding[:p])
-            self._token_views = _bounded(self._token_views)
+            self._token_views = bounded_views(self._token_views)
             self._token_views[p] = tv
         si.input_ids, si.positions, si.is_padding = tv
         si.num_tokens = nt
@@ -411,7 +411,7 @@ class ModelRunnerV2State:
                 self._padding_pattern[:T] = False
             # (is_padding[:num_tokens_padded] holds at most T)
             v = self._padding_pattern[T - num_tokens : T - num_tokens + min(num_tokens_padded, T)]
-            self._padding_views = _bounded(self._padding_views)
+            self._padding_views = bounded_views(self._padding_views)
             self._padding_views[key] = v
         return v
 
@@ -494,11 +494,6 @@ def _rebind_aliases(runner, replaced: dict, skip) -> int:
     if n:
         logger.debug("mtpstate: %d reference(s) to the runner's replaced arrays rebound to the table's", n)
     return n
-
-
-def _bounded(views: dict) -> dict:
-    # one entry per size seen: bounded, in case sizes keep changing
-    return {} if len(views) >= 4096 else views
 
 
 class StepInputs:
