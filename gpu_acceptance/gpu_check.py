@@ -22,18 +22,22 @@ network, in under 8 minutes:
    way; ``--vllm-src DIR``: vLLM's own ``StagedWriteTensor`` from an
    unpacked sdist), then the mirror benchmark at N = 1024 and 4096
    (``mtpstate bench --only table``);
-3. the machine: date, GPU, driver, CUDA, torch, numba, Python.
+3. ``mtpstate vllm-verify --device cuda --quick``: mtpstate against
+   vLLM's own runner on this GPU, nothing shimmed, every workload, every
+   field, every step (where vLLM is importable: installed, or its source
+   tree given with ``--vllm-src``; else the summary says it was skipped);
+4. the machine: date, GPU, driver, CUDA, torch, numba, Python.
 
 Results, and only results, go to files under ``$MTPSTATE_GPU_OUT`` (default
 ``gpu-check-out``): ``machine.json``, ``cuda-tests.txt`` / ``cuda-tests.xml``,
 ``bench-device.json`` / ``bench-device.txt`` (docs/benchmarks.md's GPU
 table is generated from it, committed as ``docs/bench-device-gpu.json``, by
 ``python benchmarks/report.py --write``), ``bench.json`` / ``bench.txt``,
-``summary.json``
+``summary.json`` (with ``vllm-verify``'s report and lines)
 (numba's compile cache goes to a temporary directory unless
 ``NUMBA_CACHE_DIR`` is set). The whole run is bounded by one 8-minute budget
-shared by its parts. Exit status 0 only if the tests and the benchmarks
-passed.
+shared by its parts. Exit status 0 only if the tests, the benchmarks and
+``vllm-verify`` (where it ran) passed.
 
 Run from the repository root: ``python gpu_acceptance/gpu_check.py
 [--vllm-src DIR]``.
@@ -53,7 +57,7 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BUDGET_S = 8 * 60  # the whole run, all parts together
-TESTS_S, DEVICE_S, BENCH_S = 240, 130, 80  # each part's own cap, within what the budget leaves
+TESTS_S, DEVICE_S, BENCH_S, VERIFY_S = 200, 110, 60, 90  # each part's own cap, within what the budget leaves
 
 
 def _run(cmd, out_txt, timeout, env):
@@ -150,9 +154,41 @@ def main(argv=None) -> int:
     )  # fmt: skip
     summary["bench"] = {"rc": rc_b, "seconds": round(dt_b, 1)}
     print(text_b[-4000:], flush=True)
+    rc_v = verify_vllm(summary, vllm_src, env, max(1, min(VERIFY_S, t_end - time.monotonic() - 5)))
     with open(os.path.join(out, "summary.json"), "w") as f:
         json.dump(summary, f, indent=1)
-    return 0 if rc == 0 and rc_d == 0 and rc_b == 0 else 1
+    return 0 if rc == 0 and rc_d == 0 and rc_b == 0 and rc_v in (0, None) else 1
+
+
+def verify_vllm(summary: dict, vllm_src, env: dict, timeout: float):
+    """``mtpstate vllm-verify --device cuda --quick`` where vLLM is importable
+    (its report and lines into ``summary["vllm_verify"]``); its exit status,
+    or None where it was skipped (and why)."""
+    env = dict(env)
+    if vllm_src:
+        env["PYTHONPATH"] = vllm_src + os.pathsep + env["PYTHONPATH"]
+    probe = subprocess.run([sys.executable, "-c", "import vllm.version"], env=env, capture_output=True, text=True)
+    if probe.returncode != 0:
+        why = (probe.stderr.strip().splitlines() or ["?"])[-1]
+        summary["vllm_verify"] = {"skipped": f"vLLM is not importable here ({why}); pass --vllm-src DIR"}
+        print(json.dumps(summary["vllm_verify"]), flush=True)
+        return None
+    with tempfile.TemporaryDirectory() as tmp:
+        report = os.path.join(tmp, "verify.json")
+        cmd = [sys.executable, "-m", "mtpstate", "vllm-verify", "--device", "cuda", "--quick", "--json", report]
+        rc, dt, text = _run(cmd, os.path.join(tmp, "verify.txt"), timeout, env)
+        doc = None
+        if os.path.exists(report):
+            with open(report) as f:
+                doc = json.load(f)
+    summary["vllm_verify"] = {
+        "rc": rc,
+        "seconds": round(dt, 1),
+        "lines": text.strip().splitlines()[-14:],
+        "report": doc,
+    }
+    print(text[-4000:], flush=True)
+    return rc
 
 
 if __name__ == "__main__":

@@ -6,8 +6,9 @@ engine core runs it) is driven by a fake model
 worker receives it (and also as a pickled copy), to the reference (vLLM's
 real ``RequestState``, ``BlockTables``, staging and runner methods, on CPU:
 ``mtpstate.tools.vllm_bench.reference`` and ``shims``) and to mtpstate; the
-differentials (``differential.py``) compare them after every step, and the
-negative controls (``sabotage.py``) must disagree; ``--breakdown`` times the
+differentials (``mtpstate.tools.vllm_verify``, which ``mtpstate
+vllm-verify`` runs too) compare them after every step, and the
+negative controls (``mtpstate.tools.vllm_verify.sabotage``) must disagree; ``--breakdown`` times the
 runner's host step with mtpstate on method by method. The paired benchmarks
 are ``mtpstate bench-vllm`` (``make bench-vllm``). Needs vLLM's source on
 ``sys.path`` (``make test-vllm`` sets it up; nothing is built and no model is
@@ -25,13 +26,12 @@ import sys
 import time
 from dataclasses import replace
 
-from differential import run_runner_differential, run_workload
-from sabotage import SABOTAGE, SAMPLER_SABOTAGE, sabotage
-
 from mtpstate.tools.vllm_bench.bench import breakdown_workload, run_machine
 from mtpstate.tools.vllm_bench.reference import cache_envs, load_plugin
 from mtpstate.tools.vllm_bench.shims import install_cpu_shims
 from mtpstate.tools.vllm_bench.workloads import BENCH_WORKLOADS, WORKLOADS, write_model_dir
+from mtpstate.tools.vllm_verify.runs import run_runner_differential, run_table_differential
+from mtpstate.tools.vllm_verify.sabotage import MUTANTS, sabotage
 
 
 def main(argv=None) -> int:
@@ -61,7 +61,7 @@ def main(argv=None) -> int:
     )
     p.add_argument(
         "--sabotage",
-        choices=sorted(SABOTAGE) + sorted(SAMPLER_SABOTAGE),
+        choices=list(MUTANTS),
         help="with --runner: break what the mirror ships to vLLM's tensors (a negative control: must disagree)",
     )
     p.add_argument(
@@ -92,7 +92,7 @@ def main(argv=None) -> int:
         elif args.runner:
             r = run_runner_differential(w, model_dir, deferred=args.deferred)
         else:
-            r = run_workload(w, model_dir)
+            r = run_table_differential(w, model_dir)
         r["seconds"] = time.perf_counter() - t0
         results.append(r)
         print(json.dumps(r), flush=True)

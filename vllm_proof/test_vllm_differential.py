@@ -1,21 +1,17 @@
 """`make test-vllm`: mtpstate against vLLM 0.34.0's real scheduler and real
-Model Runner V2 state code (see differential.py), and StepResult.batch against
+Model Runner V2 state code (mtpstate.tools.vllm_verify.runs), and StepResult.batch against
 its real gather_batch_req_state. Several thousand real steps, 0
 disagreements; the legacy table (increments num_computed_tokens) must
 disagree under speculative decoding, which shows the comparison can fail."""
 
 import os
-import sys
 from dataclasses import replace
 
 import pytest
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-
-from differential import run_workload  # noqa: E402
-
-from mtpstate.tools.vllm_bench.shims import install_cpu_shims  # noqa: E402
-from mtpstate.tools.vllm_bench.workloads import WORKLOADS, write_model_dir  # noqa: E402
+from mtpstate.tools.vllm_bench.shims import install_cpu_shims
+from mtpstate.tools.vllm_bench.workloads import WORKLOADS, write_model_dir
+from mtpstate.tools.vllm_verify.runs import run_table_differential
 
 STEPS = int(os.environ.get("MTPSTATE_VLLM_STEPS", "800"))
 
@@ -30,7 +26,7 @@ def model_dir():
 def test_agrees_with_vllm(model_dir, name):
     w = WORKLOADS[name]
     w = replace(w, steps=min(w.steps * STEPS // 400, STEPS))
-    r = run_workload(w, model_dir)
+    r = run_table_differential(w, model_dir)
     print(r)
     assert r["steps"] == w.steps
     assert r["batch_steps"] == w.steps  # StepResult.batch vs gather_batch_req_state, every step

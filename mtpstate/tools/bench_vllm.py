@@ -21,8 +21,8 @@ QUICK_STEPS = 20
 QUICK_REPEATS = 2
 DEFAULT_REPEATS = 5
 
-# what the CPU run replaces (mtpstate.tools.vllm_bench.shims), as the report names it
-CPU_SHIMS = (
+# what the CPU run replaces of vLLM (mtpstate.tools.vllm_bench.shims), as the report names it
+VLLM_CPU_SHIMS = (
     "platform: vLLM's unspecified platform as a CPU device",
     "UVA buffers: CPU tensors (as vLLM's CPU runner)",
     "staged-write kernel (buffer_utils): numpy",
@@ -30,8 +30,9 @@ CPU_SHIMS = (
     "in numpy, untimed, for the sampler's gathers)",
     "the sampler's Triton launchers (temperature, min-p, penalties, logit bias, bad words, thinking budget): "
     "counted no-ops",
-    "the mirror's device step (one graph replay): a counted no-op",
 )
+# and what the benchmark's CPU run replaces of mtpstate (on both sides: vLLM's launches are no-ops too)
+CPU_SHIMS = (*VLLM_CPU_SHIMS, "the mirror's device step (one graph replay): a counted no-op")
 # both sides: vllm.envs cached, as a serving vLLM process caches it once started
 ENVS_NOTE = "vllm.envs cached (enable_envs_cache), as in a serving process"
 

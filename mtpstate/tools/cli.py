@@ -227,6 +227,31 @@ examples:
   mtpstate vllm-check
   mtpstate vllm-check --json"""
 
+VLLM_VERIFY_HELP = """\
+Run in vLLM's environment, before turning mtpstate on: does it agree with
+vLLM here, on this vLLM, torch, numba and device? Drives the installed
+vLLM's own Scheduler / AsyncScheduler (a tiny model config, nothing
+downloaded) through two runners, step by step: vLLM's own methods, and the
+same methods with mtpstate applied by its plugin, both with vLLM's real
+Sampler and a mix of sampling params, over the workloads (steady and busy
+batches, chunked prefill, MTP k = 1-4, preemption, async scheduling, prefix
+caching). After every step it compares, per request id, every state array
+(host, and device tensors copied back after a synchronize), the batch,
+every field of prepare_inputs' InputBatch, and every sampler value and
+answer. One line per workload, the first disagreement in full, then one
+verdict line. Exit status 0 only with 0 disagreements.
+
+--device cuda runs both runners on the GPU with nothing shimmed (vLLM's
+kernels run, and what they write is compared too); --device cpu (the
+default) shims vLLM's device launches on both sides. --sabotage NAME
+injects a known mutant of mtpstate, to see the check fail here: NAME is one
+of %s.
+
+examples:
+  mtpstate vllm-verify --quick
+  mtpstate vllm-verify --device cuda --json verify.json
+  mtpstate vllm-verify --quick --sabotage tokens"""
+
 
 def build_parser() -> argparse.ArgumentParser:
     from mtpstate.tools.bench import version_string
@@ -241,7 +266,8 @@ def build_parser() -> argparse.ArgumentParser:
         prog="mtpstate",
         description="Batched request state for LLM serving engines: tools for perf engineers.",
         epilog="examples:\n  mtpstate bench --quick\n  mtpstate sim --steps 500 --out run.trace\n"
-        "  mtpstate replay run.trace\n  mtpstate warmup\n  mtpstate vllm-check\n  mtpstate bench-vllm --quick",
+        "  mtpstate replay run.trace\n  mtpstate warmup\n  mtpstate vllm-check\n  mtpstate vllm-verify --quick\n"
+        "  mtpstate bench-vllm --quick",
         formatter_class=_Formatter,
         parents=[top],
     )
@@ -347,7 +373,32 @@ def build_parser() -> argparse.ArgumentParser:
 
     c = command("vllm-check", "would VLLM_USE_MTPSTATE=1 turn mtpstate on in this vLLM?", VLLM_CHECK_HELP)
     c.add_argument("--json", action="store_true", help="the facts as one JSON object on stdout")
+
+    from mtpstate.tools.vllm_verify.sabotage import MUTANTS
+
+    workload_names = _verify_workload_names()
+    f = command(
+        "vllm-verify",
+        "does mtpstate agree with vLLM's own runner here? (the runner differential)",
+        VLLM_VERIFY_HELP % ", ".join(MUTANTS),
+    )
+    f.add_argument(
+        "--quick", action="store_true", help="each workload for its own steps, not 4x as many (about a minute)"
+    )
+    f.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="cuda: both runners on the GPU")
+    f.add_argument(
+        "--workload", choices=workload_names, action="append", help="one workload; repeat for several (default: all)"
+    )
+    f.add_argument("--steps", type=_int(1), help="each workload's steps, at most")
+    f.add_argument("--sabotage", choices=list(MUTANTS), metavar="NAME", help="inject a known mutant (must fail)")
+    f.add_argument("--json", metavar="FILE", help="write the report as JSON")
     return p
+
+
+def _verify_workload_names() -> list[str]:
+    from mtpstate.tools.vllm_bench.workloads import WORKLOADS
+
+    return sorted(WORKLOADS)
 
 
 # ----------------------------------------------------------------------------
@@ -545,6 +596,43 @@ def _cmd_vllm_check(args) -> int:
     return 0 if f["would_apply"] else EXIT_RUNTIME
 
 
+def _cmd_vllm_verify(args) -> int:
+    import logging
+
+    from mtpstate.tools import bench_vllm
+    from mtpstate.tools.vllm_verify.verify import header as verify_header
+    from mtpstate.tools.vllm_verify.verify import verify
+
+    _check_output(args.json, "--json")
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")  # before vLLM's first import: its start-up lines
+    try:
+        found = bench_vllm.check_environment(args.device)
+    except bench_vllm.UnusableEnvironment as e:
+        raise CliError(str(e), EXIT_USAGE) from None
+    logging.getLogger("vllm").setLevel(logging.ERROR)  # the scheduler's start-up lines are not the report
+    shims = bench_vllm.prepare(args.device)
+    for line in verify_header(found, args.device, shims):
+        print(line)
+    if args.sabotage:
+        from mtpstate.tools.vllm_verify.sabotage import MUTANTS
+
+        print(f"mutant injected: {args.sabotage} ({MUTANTS[args.sabotage]}): the check must fail")
+    doc = verify(
+        device=args.device,
+        quick=args.quick,
+        names=args.workload,
+        steps=args.steps,
+        sabotage=args.sabotage,
+        say=lambda line: print(line, flush=True),
+    )
+    doc["shims"] = list(bench_vllm.VLLM_CPU_SHIMS if args.device == "cpu" else shims)
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump(doc, fh, indent=1, default=str)
+        _wrote(args.json)
+    return 0 if doc["passed"] else EXIT_RUNTIME
+
+
 COMMANDS = {
     "sim": _cmd_sim,
     "replay": _cmd_replay,
@@ -552,6 +640,7 @@ COMMANDS = {
     "bench-vllm": _cmd_bench_vllm,
     "warmup": _cmd_warmup,
     "vllm-check": _cmd_vllm_check,
+    "vllm-verify": _cmd_vllm_verify,
 }
 
 

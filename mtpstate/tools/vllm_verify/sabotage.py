@@ -1,6 +1,8 @@
-"""Negative controls of the runner differential: each corrupts one kind of
-element the mirror ships, just before it is shipped (the differential must
-then disagree)."""
+"""Known mutants of mtpstate, for negative controls of the differential
+(``mtpstate vllm-verify --sabotage NAME``): each breaks one thing mtpstate
+does for vLLM's runner (what the mirror ships, the sampler's answers, its
+writes of new requests' params, their upload). With one injected, the
+differential must disagree: a check that cannot fail proves nothing."""
 
 from __future__ import annotations
 
@@ -116,7 +118,25 @@ SAMPLER_SABOTAGE = {
 }
 
 
+# every mutant, by name, with what it breaks
+MUTANTS = {
+    "tokens": "the mirror ships new requests' token ids as zeros",
+    "engine-lengths": "the mirror ships the engine's total_len / num_computed_tokens as zeros",
+    "lengths": "the mirror does not ship the prefill / prompt lengths",
+    "expanded": "the mirror ships the expanded logits' local positions as zeros",
+    "sampler-stale-row": "the sampler's answers leave out the batch's last row",
+    "sampler-counted-early": "the sampler's counts take a new row before its params are written",
+    "sampler-params-row": "a step's last new request's sampling params are never written",
+    "sampler-upload-row": "a step's last written sampler row never reaches the device side",
+}
+assert set(MUTANTS) == {*SABOTAGE, *SAMPLER_SABOTAGE}
+
+
 def sabotage(kind: str) -> None:
+    """Inject mutant ``kind`` (one of :data:`MUTANTS`) into this process's
+    mtpstate; there is no undoing it."""
+    if kind not in MUTANTS:
+        raise ValueError(f"unknown mutant {kind!r}; one of {', '.join(MUTANTS)}")
     if kind in SAMPLER_SABOTAGE:
         SAMPLER_SABOTAGE[kind]()
         return

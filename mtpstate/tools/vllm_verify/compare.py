@@ -1,0 +1,280 @@
+"""What is compared after a step, vLLM against mtpstate: per request id,
+every state field (and vLLM's device-side tensors); the batch; every field
+of prepare_inputs' ``InputBatch``; the sampler's per-row values and its
+answers. Each comparison counts the values it compared and keeps every
+disagreement in full (request id, field, both values)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+
+@dataclasses.dataclass
+class Disagreement:
+    """One value that differs: where (a request id, or None for the batch),
+    the field, vLLM's value and mtpstate's."""
+
+    req_id: str | None
+    field: str
+    vllm: object
+    mtpstate: object
+
+    def full(self) -> str:
+        where = "the batch" if self.req_id is None else f"request {self.req_id!r}"
+        return f"{where}, {self.field}: vLLM {self.vllm!r}, mtpstate {self.mtpstate!r}"
+
+    def __str__(self) -> str:
+        where = "" if self.req_id is None else f"{self.req_id!r}."
+        return f"{where}{self.field}: vLLM {str(self.vllm)[:60]} vs {str(self.mtpstate)[:60]}"
+
+
+class Comparison:
+    """A step's comparison: ``values`` compared, ``bad`` (disagreements)."""
+
+    def __init__(self):
+        self.values = 0
+        self.bad: list[Disagreement] = []
+
+    def add(self, req_id, field, vllm, mtpstate, same: bool, n: int = 1) -> None:
+        """``n`` values of ``field`` compared; record them if not ``same``."""
+        self.values += n
+        if not same:
+            self.bad.append(Disagreement(req_id, field, vllm, mtpstate))
+
+    def __bool__(self) -> bool:
+        return bool(self.bad)
+
+
+def _count(v) -> int:
+    return len(v) if isinstance(v, list) else 1
+
+
+def table_state(t) -> dict:
+    """Per request id, the fields the comparison covers, from an mtpstate
+    table (``RequestTable`` or a loop table of ``mtpstate.tools.reference``)."""
+    out = {}
+    if hasattr(t, "index"):
+        pairs = [(t.index.req_id(int(r)), int(r)) for r in t.index.live_rows()]
+    else:
+        pairs = list(t.req_id_to_index.items())
+    for rid, r in pairs:
+        pl = int(t.prefill_len[r])
+        nb = [int(t.num_blocks[g, r]) for g in range(t.num_groups)]
+        out[rid] = {
+            "num_computed_tokens": int(t.num_computed_tokens[r]),
+            "num_computed_prefill_tokens": int(t.num_computed_prefill_tokens[r]),
+            "prefill_len": pl,
+            "prompt_len": int(t.prompt_len[r]),
+            "max_seq_len": int(t.max_seq_len[r]),
+            "num_blocks": nb,
+            "blocks": [t.block_tables[g][r, : nb[g]].tolist() for g in range(t.num_groups)],
+            "prefill_token_ids": t.token_ids[r, :pl].tolist(),
+            "is_prefilling": bool(t.is_prefilling(np.array([r]))[0]),
+        }
+    return out
+
+
+def compare_states(c: Comparison, ref: dict, got: dict, what: str = "") -> None:
+    """Per request id and field (``what``: a prefix for the field names)."""
+    only_ref, only_got = sorted(set(ref) - set(got)), sorted(set(got) - set(ref))
+    c.add(None, f"{what}live request ids (only on one side)", only_ref, only_got, not (only_ref or only_got))
+    for rid in sorted(set(ref) & set(got)):
+        for k, v in ref[rid].items():
+            c.add(rid, what + k, v, got[rid][k], got[rid][k] == v, _count(v))
+
+
+BATCH_FIELDS = (
+    "num_scheduled_tokens",
+    "num_tokens",
+    "num_draft_tokens_np",
+    "prefill_len_np",
+    "num_computed_prefill_tokens_np",
+    "is_prefilling_np",
+    "has_prefill",
+    "prefill_runs_as_decode_np",
+    "decode_graph_eligible",
+)
+
+
+def compare_batches(c: Comparison, ref, ref_ids_of_rows, got, got_ids_of_rows) -> None:
+    """vLLM's ``BatchReqState`` against mtpstate's, field by field;
+    ``idx_mapping_np`` through each side's own rows."""
+    if got is None:
+        c.add(None, "batch", "a BatchReqState", None, False)
+        return
+    c.add(None, "batch.req_ids", list(ref.req_ids), list(got.req_ids), list(got.req_ids) == list(ref.req_ids))
+    for f in BATCH_FIELDS:
+        a, b = getattr(ref, f), getattr(got, f)
+        if a is None or b is None or not isinstance(a, np.ndarray):
+            same = (a is None) == (b is None) and (a is None or a == b)
+            n = 1
+        else:
+            same = a.dtype == b.dtype and np.array_equal(a, b)
+            n = a.size
+        c.add(None, f"batch.{f}", a, b, bool(same), n)
+    a, b = ref_ids_of_rows(ref.idx_mapping_np), got_ids_of_rows(got.idx_mapping_np)
+    c.add(None, "batch.idx_mapping_np (as request ids)", a, b, a == b, len(a))
+    c.add(
+        None,
+        "batch.idx_mapping_np.dtype",
+        ref.idx_mapping_np.dtype,
+        got.idx_mapping_np.dtype,
+        got.idx_mapping_np.dtype == ref.idx_mapping_np.dtype,
+    )
+
+
+# InputBatch fields written on the device by prepare_inputs' Triton kernels:
+# where those are no-ops (the CPU shims), compared by shape and dtype only
+KERNEL_WRITTEN = ("input_ids", "positions", "seq_lens", "logits_indices")
+# expand_idx_mapping's outputs with drafts: where vLLM's kernel is a no-op,
+# mtpstate's (which computes them) are compared with that kernel as a loop
+EXPANDED = ("expanded_idx_mapping", "expanded_local_pos")
+ROW_FIELDS = ("idx_mapping", "idx_mapping_np")  # rows: compared through each side's own id map
+
+
+def compare_inputs(
+    c: Comparison, ref, ref_ids_of_rows, got, got_ids_of_rows, decode_query_len=1, kernels_ran: bool = False
+) -> None:
+    """Two ``InputBatch``es of ``prepare_inputs``, every dataclass field:
+    arrays and tensors by dtype, shape and values (rows through each side's
+    own id map), the rest by ``==``. ``kernels_ran``: vLLM's Triton kernels
+    really ran (a GPU), so what they write is compared by value too; else
+    by dtype and shape, and with drafts ``got``'s expanded arrays against
+    vLLM's ``expand_idx_mapping`` as a loop over ``ref``'s inputs."""
+    import torch
+
+    from mtpstate.tools.reference import vllm_expand_idx_mapping
+
+    drafted = ref.num_draft_tokens_per_req is not None and not kernels_ran
+    want = {}
+    if drafted:
+        want = vllm_expand_idx_mapping(ref.idx_mapping.cpu().numpy(), ref.cu_num_logits.cpu().numpy(), decode_query_len)
+        want = dict(zip(EXPANDED, want)) if (want[1] >= 0).all() else {}  # (-1: left unwritten by vLLM)
+    for fld in dataclasses.fields(ref):
+        f = fld.name
+        a, b = getattr(ref, f), getattr(got, f)
+        if (a is None) != (b is None):
+            c.add(None, f"input_batch.{f}", a, b, False)
+            continue
+        if isinstance(a, (np.ndarray, torch.Tensor)):
+            if type(a) is not type(b) or a.dtype != b.dtype or tuple(a.shape) != tuple(b.shape):
+                kind = (type(a).__name__, a.dtype, tuple(a.shape))
+                c.add(None, f"input_batch.{f} (type, dtype, shape)", kind, b, False)
+                continue
+            if (f in KERNEL_WRITTEN and not kernels_ran) or (f in EXPANDED and drafted and f not in want):
+                c.add(None, f"input_batch.{f} (dtype, shape)", a.dtype, b.dtype, True)
+                continue
+            va = np.asarray(a.cpu() if isinstance(a, torch.Tensor) else a)
+            vb = np.asarray(b.cpu() if isinstance(b, torch.Tensor) else b)
+            if f in EXPANDED and drafted:
+                va = want[f]
+            if f in ROW_FIELDS or f == "expanded_idx_mapping":
+                ia, ib = ref_ids_of_rows(va.tolist()), got_ids_of_rows(vb.tolist())
+                c.add(None, f"input_batch.{f} (as request ids)", ia, ib, ia == ib, va.size)
+            else:
+                c.add(None, f"input_batch.{f}", va, vb, bool(np.array_equal(va, vb)), va.size)
+        elif f in ("fast_prefill", "dcp_local_seq_lens"):
+            c.add(None, f"input_batch.{f} (not compared when set)", a, None, a is None)
+        else:
+            c.add(None, f"input_batch.{f}", a, b, bool(a == b))
+
+
+def compare_sampler(c: Comparison, ref, ib_ref, patched, ib_pat, launches: bool = True) -> None:
+    """The sampler, vLLM's runner off vs on: every per-row value per request
+    id (host arrays and device tensors), the answers to its per-step
+    questions for the batch (off: vLLM's numpy; on: mtpstate's), with
+    ``launches`` (the CPU shims count them) which launchers ran with which
+    flags, and on the patched side each answered method against vLLM's own
+    on the same arrays."""
+    compare_states(c, ref.sampler_state(), patched.sampler_state(), "sampler.")
+    if launches:
+        got_ref, launched_ref = _launching(ref.sample_questions, ib_ref)
+        got_pat, launched_pat = _launching(patched.sample_questions, ib_pat)
+        c.add(None, "sampler launches", launched_ref, launched_pat, launched_ref == launched_pat)
+    else:
+        got_ref, got_pat = ref.sample_questions(ib_ref), patched.sample_questions(ib_pat)
+    for name, a, b in zip(("logprobs_dims", "top_k", "top_p", "has_topp_only_rows", "fused"), got_ref, got_pat):
+        a, b = (x.tolist() if hasattr(x, "tolist") else x for x in (a, b))
+        c.add(None, f"sampler {name}", a, b, a == b and type(a) is type(b), _count(a))
+    compare_answers(c, patched.sampler, patched.mtpstate.sampler_answers, ib_pat)
+
+
+def _launching(sample_questions, ib):
+    """``sample_questions(ib)``, and the sampler launchers it called (the
+    CPU shims' no-ops) with their arguments that are not tensors."""
+    import torch
+
+    from mtpstate.tools.vllm_bench.shims import sampler_launchers
+
+    launchers = sampler_launchers()
+    before = {name: f.calls for name, f in launchers.items()}
+    got = sample_questions(ib)
+    launched = {}
+    for name, f in launchers.items():
+        if f.calls != before[name]:
+            args, kwargs = f.last
+            plain = [a for a in (*args, *kwargs.values()) if not isinstance(a, torch.Tensor)]
+            launched[name] = (f.calls - before[name], plain)
+    return got, launched
+
+
+def _plain(x):
+    if isinstance(x, tuple):
+        return tuple(_plain(y) for y in x)
+    return x.tolist() if hasattr(x, "tolist") else x
+
+
+def compare_answers(c: Comparison, s, answers, ib) -> None:
+    """Each sampler method mtpstate answers for the batch of ``ib``, against
+    the class's own (vLLM's) method on the same arrays, and the skip checks
+    (processing, penalties, logit bias, bad words, thinking budget,
+    temperature, min-p) against vLLM's numpy."""
+    from mtpstate._kernels import sampler as K
+    from mtpstate.tools.vllm_bench.workloads import VOCAB
+
+    idx, eim = ib.idx_mapping_np, ib.expanded_idx_mapping
+    c.add(None, "sampler: answered for this batch", True, answers.idx is idx, answers.idx is idx)
+    if answers.idx is not idx:
+        return
+    ss, lpt = s.sampling_states, s.logprob_token_ids_state
+    cases = {
+        "get_logprobs_dims": (s, "get_logprobs_dims", (idx,)),
+        "any_greedy": (ss, "any_greedy", (idx,)),
+        "any_explicit_seed": (ss, "any_explicit_seed", (idx,)),
+        "max_num_logprobs": (ss, "max_num_logprobs", (idx,)),
+        "max_num_token_ids": (lpt, "max_num_token_ids", (idx,)),
+    }
+    for v in (VOCAB, VOCAB - 1, 50, 1):
+        cases[f"get_top_k_top_p(vocab={v})"] = (ss, "get_top_k_top_p", (eim, idx, v))
+    for name, (obj, meth, args) in cases.items():
+        a, b = _plain(getattr(type(obj), meth)(obj, *args)), _plain(getattr(obj, meth)(*args))
+        c.add(None, f"sampler.{name}", a, b, a == b)
+    lb, bw, tb = s.logits_processors[0], s.logits_processors[2], s.thinking_budget_state
+    t = ss.temperature.np[idx]
+    want = {
+        "needs_logits_processing": bool(np.any(s.needs_logits_processing[idx])),
+        "use_penalty": bool(np.any(s.penalties_state.use_penalty[idx])),
+        "use_logit_bias": bool(np.any(lb.use_logit_bias[idx])),
+        "use_thinking_budget": bool(tb.enabled and np.any(tb.use_thinking_budget[idx])),
+        "restore_when_all_masked": bool(np.any(lb.restore_when_all_masked.np[idx])),
+        "temperature": not np.all((t == 0.0) | (t == 1.0)),
+        "min_p": not np.all(ss.min_p.np[idx] == 0.0),
+        "max_num_bad_words": int(bw.num_bad_words.np[idx].max()),
+        "max_top_k": int(np.max(ss.top_k.np[idx])),
+    }
+    f = answers.flags
+    got = {
+        "needs_logits_processing": bool(f & K.SP_NEEDS_PROCESSING),
+        "use_penalty": bool(f & K.SP_USE_PENALTY),
+        "use_logit_bias": bool(f & K.SP_USE_LOGIT_BIAS),
+        "use_thinking_budget": bool(f & K.SP_USE_THINKING_BUDGET),
+        "restore_when_all_masked": bool(f & K.SP_RESTORE_WHEN_MASKED),
+        "temperature": bool(f & K.SP_TEMPERATURE),
+        "min_p": bool(f & K.SP_MIN_P),
+        "max_num_bad_words": answers.max_num_bad_words,
+        "max_top_k": answers.max_top_k,
+    }
+    for k, v in want.items():
+        c.add(None, f"sampler answer {k}", v, got[k], got[k] == v)
