@@ -6,7 +6,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: test test-slow test-nojit test-vllm bench bench-suite bench-vllm gpu-check lint clean
+.PHONY: test test-slow test-nojit test-min test-vllm bench bench-suite bench-vllm gpu-check lint clean
 
 # vLLM 0.34.0 tier: its unpacked sdist (nothing built) + its pure-Python deps;
 # a .pth puts the source on the venv's path, so `import vllm` works there as
@@ -31,6 +31,25 @@ test: $(STAMP)
 	$(PY) -m pytest -q
 	NUMBA_DISABLE_JIT=1 $(PY) -m pytest -q tests/test_nojit.py
 	$(PY) -m pytest -q benchmarks --benchmark-disable
+
+# the dependency floors pyproject declares, tested: numba as vLLM pins it,
+# numpy's floor (both in pyproject's dependencies), torch's CPU build (the
+# device-mirror tests); the default suite in a venv of its own
+MIN_DEPS := numba==0.65.0 numpy==1.24.4
+MVENV := .venv-min
+MSTAMP := $(MVENV)/.installed
+
+$(MSTAMP): pyproject.toml
+	test -x $(MVENV)/bin/python || $(PYTHON) -m venv $(MVENV)
+	$(MVENV)/bin/python -m pip install -q --upgrade pip
+	$(MVENV)/bin/python -m pip install -q $(MIN_DEPS) -e '.[dev]'
+	$(MVENV)/bin/python -m pip install -q --only-binary :all: '$(TORCH_CPU)' \
+	  || echo "note: no CPU build of torch for this Python/platform ($(TORCH_CPU)); the device-mirror tests will skip"
+	touch $(MSTAMP)
+
+test-min: $(MSTAMP)
+	$(MVENV)/bin/python -c "import numba, numpy; print('floors:', 'numba', numba.__version__, 'numpy', numpy.__version__)"
+	$(MVENV)/bin/python -m pytest -q
 
 test-slow: $(STAMP)
 	HYPOTHESIS_PROFILE=slow $(PY) -m pytest -q -m 'slow or not slow'
@@ -84,4 +103,4 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff format --check mtpstate tests benchmarks
 
 clean:
-	rm -rf $(VENV) $(VVENV) $(VLLM_DIR) build *.egg-info
+	rm -rf $(VENV) $(VVENV) $(MVENV) $(VLLM_DIR) build *.egg-info

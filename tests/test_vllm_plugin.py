@@ -248,3 +248,47 @@ def test_plugin_imports_no_vllm():
     )
     env = {k: v for k, v in __import__("os").environ.items() if k != plugin.ENV_VAR}
     subprocess.run([sys.executable, "-c", code], check=True, env=env)
+
+
+def test_nearest_supported_release():
+    newest = max(plugin.SUPPORTED, key=plugin._version_key)
+    oldest = min(plugin.SUPPORTED, key=plugin._version_key)
+    assert plugin.nearest_release(None) == newest
+    assert plugin.nearest_release("99.0.0") == newest
+    assert plugin.nearest_release("0.0.1") == oldest
+    assert plugin.nearest_release(newest + "+cu129") == newest
+
+
+def test_drift_names_each_changed_definition_from_source_text():
+    """plugin.drift reads source text only: every definition is named, a
+    stand-in differs, a definition gone is missing, a module that cannot
+    be read says so."""
+    release = max(plugin.SUPPORTED, key=plugin._version_key)
+    table = plugin.definitions(release)
+    gone_mod, lost_mod = "vllm.v1.worker.gpu.input_batch", "vllm.sampling_params"
+
+    def read(module):
+        if module == lost_mod:
+            raise FileNotFoundError(module)
+        classes, lines = {}, []
+        for name in table[module]:
+            cls, _, meth = name.rpartition(".")
+            if module == gone_mod and name == "expand_idx_mapping":
+                continue
+            if cls:
+                classes.setdefault(cls, []).append(f"    def {meth}(self):\n        pass")
+            else:
+                lines.append(f"def {meth}():\n    pass")
+        lines += [f"class {cls}:\n" + "\n".join(defs) for cls, defs in classes.items()]
+        return "\n\n".join(lines) + "\n"
+
+    got = plugin.drift(read, release)
+    assert set(got) == {f"{m}:{n}" for m, names in table.items() for n in names}
+    assert got[f"{gone_mod}:expand_idx_mapping"] == "missing"
+    assert all(v.startswith("its module cannot be read") for k, v in got.items() if k.startswith(lost_mod + ":"))
+    # (every definition here is a stand-in: all differ from vLLM's, but none is reported missing wrongly)
+    assert all(
+        v.startswith("differs from vLLM")
+        for k, v in got.items()
+        if not k.startswith((lost_mod, gone_mod + ":expand_idx_mapping"))
+    )

@@ -59,6 +59,12 @@ def _py_load_u8(addr):
     return ctypes.c_uint8.from_address(int(addr)).value
 
 
+def _as_uint64(load):
+    # the kernels' unsigned loads give uint64, as the intrinsics do: the same
+    # arithmetic under numpy 1.x's casting rules as under numpy 2's
+    return lambda addr: np.uint64(load(addr))
+
+
 def _make_load_intrinsic(bits, signed):
     # narrower loads widen to 64 bits: kernels compute in int64 / uint64
     ret = types.int64 if signed else types.uint64
@@ -81,9 +87,9 @@ def _make_load_intrinsic(bits, signed):
 
 load_i64 = _pick(_py_load_i64, lambda: _make_load_intrinsic(64, True))
 load_i32 = _pick(_py_load_i32, lambda: _make_load_intrinsic(32, True))
-load_u64 = _pick(_py_load_u64, lambda: _make_load_intrinsic(64, False))
-load_u32 = _pick(_py_load_u32, lambda: _make_load_intrinsic(32, False))
-load_u8 = _pick(_py_load_u8, lambda: _make_load_intrinsic(8, False))
+load_u64 = _pick(_as_uint64(_py_load_u64), lambda: _make_load_intrinsic(64, False))
+load_u32 = _pick(_as_uint64(_py_load_u32), lambda: _make_load_intrinsic(32, False))
+load_u8 = _pick(_as_uint64(_py_load_u8), lambda: _make_load_intrinsic(8, False))
 
 
 # ----------------------------------------------------------------------------
@@ -209,13 +215,13 @@ _M2 = 0xBF58476D1CE4E5B9
 
 def _py_mix(h, w):
     h = ((int(h) ^ int(w)) * _M1) & _MASK64
-    return h ^ (h >> 29)
+    return np.uint64(h ^ (h >> 29))
 
 
 def _py_fmix(h):
     h = int(h)
     h = ((h ^ (h >> 31)) * _M2) & _MASK64
-    return h ^ (h >> 32)
+    return np.uint64(h ^ (h >> 32))
 
 
 def _xorshift(builder, x, k):

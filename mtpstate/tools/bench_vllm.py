@@ -199,8 +199,9 @@ def prepare(device: str) -> tuple[str, ...]:
 # the report
 
 
-def header(doc_or_info: dict, device: str, shims) -> list[str]:
-    """The lines naming what is measured."""
+def header(doc_or_info: dict, device: str, shims, note: str | None = None) -> list[str]:
+    """The lines naming what is measured (``note``: the last line's text;
+    default: what a CPU or a CUDA run of the benchmark is)."""
     import mtpstate
 
     v = doc_or_info
@@ -209,7 +210,7 @@ def header(doc_or_info: dict, device: str, shims) -> list[str]:
         f"device: {device}; " + ("shimmed:" if shims else "nothing shimmed"),
     ]
     lines += [f"  - {s}" for s in shims]
-    lines.append(f"note: {CPU_NOTE if device == 'cpu' else CUDA_NOTE}")
+    lines.append(f"note: {note or (CPU_NOTE if device == 'cpu' else CUDA_NOTE)}")
     return lines
 
 

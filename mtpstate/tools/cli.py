@@ -508,21 +508,29 @@ def _cmd_bench(args) -> None:
     )
 
 
-def _cmd_bench_vllm(args) -> None:
+def _vllm_set_up(device: str):
+    """The installed vLLM checked and set up for ``device`` (a usage error
+    if it cannot run there): ``(what was found, what was shimmed)``."""
     import logging
 
+    from mtpstate.tools import bench_vllm
+
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")  # before vLLM's first import: its start-up lines
+    try:
+        found = bench_vllm.check_environment(device)
+    except bench_vllm.UnusableEnvironment as e:
+        raise CliError(str(e), EXIT_USAGE) from None
+    logging.getLogger("vllm").setLevel(logging.ERROR)  # the scheduler's start-up lines are not the report
+    return found, bench_vllm.prepare(device)
+
+
+def _cmd_bench_vllm(args) -> None:
     from mtpstate.tools import bench_vllm
 
     _check_output(args.json, "--json")
     _check_output(args.plot, "--plot")
     _check_plot_deps(args.plot)
-    os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")  # before vLLM's first import: its start-up lines
-    try:
-        found = bench_vllm.check_environment(args.device)
-    except bench_vllm.UnusableEnvironment as e:
-        raise CliError(str(e), EXIT_USAGE) from None
-    logging.getLogger("vllm").setLevel(logging.ERROR)  # the scheduler's start-up lines are not the report
-    shims = bench_vllm.prepare(args.device)
+    found, shims = _vllm_set_up(args.device)
     for line in bench_vllm.header(found, args.device, shims):
         print(line)
     print(bench_vllm.table_header(), flush=True)
@@ -584,6 +592,13 @@ def _cmd_vllm_check(args) -> int:
                 print(f"guard (computed by mtpstate): {name}: {verdict}")
             for name, verdict in f.get("sampler", {}).items():
                 print(f"guard (sampler, answered by mtpstate): {name}: {verdict}")
+            if "nearest_supported" in f:
+                print(
+                    f"nearest supported release: vLLM {f['nearest_supported']}; its definitions that differ here: "
+                    f"{len(f['drift'])}"
+                )
+                for name, verdict in f["drift"].items():
+                    print(f"drift from {f['nearest_supported']}: {name}: {verdict}")
             print(f"{plugin.ENV_VAR} now: {f[plugin.ENV_VAR] or 'unset'}")
         if f["would_apply"]:
             print(
@@ -597,20 +612,12 @@ def _cmd_vllm_check(args) -> int:
 
 
 def _cmd_vllm_verify(args) -> int:
-    import logging
-
     from mtpstate.tools import bench_vllm
     from mtpstate.tools.vllm_verify.verify import header as verify_header
     from mtpstate.tools.vllm_verify.verify import verify
 
     _check_output(args.json, "--json")
-    os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")  # before vLLM's first import: its start-up lines
-    try:
-        found = bench_vllm.check_environment(args.device)
-    except bench_vllm.UnusableEnvironment as e:
-        raise CliError(str(e), EXIT_USAGE) from None
-    logging.getLogger("vllm").setLevel(logging.ERROR)  # the scheduler's start-up lines are not the report
-    shims = bench_vllm.prepare(args.device)
+    found, shims = _vllm_set_up(args.device)
     for line in verify_header(found, args.device, shims):
         print(line)
     if args.sabotage:

@@ -45,7 +45,10 @@ __all__ = [
     "apply",
     "check",
     "check_sampler",
+    "definitions",
+    "drift",
     "enabled",
+    "nearest_release",
     "register",
 ]
 
@@ -139,6 +142,57 @@ SAMPLER_COMPUTED: dict[str, dict[str, dict[str, str]]] = {
         },
     },
 }
+
+
+def definitions(release: str) -> dict[str, dict[str, str]]:
+    """Every vLLM definition the integration changes, computes or relies on
+    for ``release`` (one of :data:`SUPPORTED`): module -> ``Class.method``
+    or function -> fingerprint."""
+    out = {RUNNER_MODULE: dict(SUPPORTED[release])}
+    for table in (COMPUTED, SAMPLER_COMPUTED):
+        for mod, names in table.get(release, {}).items():
+            out.setdefault(mod, {}).update(names)
+    return out
+
+
+def _version_key(version: str) -> tuple:
+    return tuple(int(x) if x.isdigit() else 0 for x in version.split("+")[0].split(".")[:3])
+
+
+def nearest_release(version: str | None) -> str:
+    """The supported release nearest ``version``: the newest supported one
+    not newer than it, else the oldest (None: the newest)."""
+    ordered = sorted(SUPPORTED, key=_version_key)
+    if version is None:
+        return ordered[-1]
+    older = [r for r in ordered if _version_key(r) <= _version_key(version)]
+    return older[-1] if older else ordered[0]
+
+
+def drift(read_source, release: str) -> dict[str, str]:
+    """Each definition of :func:`definitions` (``release``) in the sources
+    ``read_source(module) -> text`` gives: ``module:name`` -> ``"ok"``, or
+    what differs (its fingerprint, or missing, or its module unreadable).
+    Imports nothing: it reads source text."""
+    out = {}
+    for mod, names in definitions(release).items():
+        try:
+            found = _source.function_fingerprints(read_source(mod), names)
+        except Exception as e:  # noqa: BLE001  (reported per definition)
+            found = dict.fromkeys(names, e)
+        for name, want in names.items():
+            fp = found[name]
+            if isinstance(fp, Exception):
+                got = f"its module cannot be read ({type(fp).__name__}: {fp})"
+            elif fp is None:
+                got = "missing"
+            elif fp != want:
+                got = f"differs from vLLM {release}'s (fingerprint {fp}, expected {want})"
+            else:
+                got = "ok"
+            out[f"{mod}:{name}"] = got
+    return out
+
 
 # vLLM's own logger hierarchy: its handlers and VLLM_LOGGING_LEVEL apply
 logger = logging.getLogger("vllm.mtpstate")
@@ -457,6 +511,10 @@ def report() -> dict:
     facts["methods"] = v.methods
     facts["computed"] = v.computed
     facts["sampler"] = check_sampler(refresh=True)
+    if not facts["supported"] and v.vllm_version is not None:
+        # the next release is a known step: what differs from the nearest supported one
+        near = facts["nearest_supported"] = nearest_release(v.vllm_version)
+        facts["drift"] = {k: m for k, m in drift(_module_source, near).items() if m != "ok"}
     reasons = list(v.problems)
     if not eps:
         reasons.append("mtpstate's entry point is not visible to vLLM (install mtpstate into vLLM's environment)")

@@ -42,18 +42,11 @@ def header(found: dict, device: str, shims: tuple[str, ...]) -> list[str]:
     """The lines naming what is verified: the versions, the device, what is
     shimmed of vLLM (``shims``: what ``bench_vllm.prepare`` applied; on the
     CPU, vLLM's part of it: the mirror runs)."""
-    import mtpstate
     from mtpstate.tools import bench_vllm
 
     if device == "cpu":
         shims = bench_vllm.VLLM_CPU_SHIMS
-    lines = [
-        f"mtpstate {mtpstate.__version__} against vLLM {found['version']} ({found['path']})",
-        f"device: {device}; " + ("shimmed of vLLM:" if shims else "nothing shimmed"),
-    ]
-    lines += [f"  - {s}" for s in shims]
-    lines.append(f"note: {VERIFY_CPU_NOTE if device == 'cpu' else VERIFY_CUDA_NOTE}")
-    return lines
+    return bench_vllm.header(found, device, shims, VERIFY_CPU_NOTE if device == "cpu" else VERIFY_CUDA_NOTE)
 
 
 def workload_line(r: dict) -> str:
