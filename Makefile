@@ -87,10 +87,11 @@ bench-vllm: $(VSTAMP)
 # on a CUDA machine with torch, numba, pytest(-benchmark), hypothesis installed
 # (no network, no venv): cuda tests, ring-reuse stress, mirror bench; files
 # under $$MTPSTATE_GPU_OUT (see gpu_acceptance/gpu_check.py)
-# VLLM_SRC=DIR: an unpacked vLLM sdist, whose StagedWriteTensor is the device
-# bench's vLLM-way upload
+# VLLM_SRC=DIR: an unpacked vLLM sdist (default: the vLLM tier's, where it
+# exists), whose StagedWriteTensor is the device bench's vLLM-way upload and
+# which vllm-verify --device cuda runs against
 gpu-check:
-	$(PYTHON) gpu_acceptance/gpu_check.py $(if $(VLLM_SRC),--vllm-src $(VLLM_SRC))
+	$(PYTHON) gpu_acceptance/gpu_check.py $(if $(wildcard $(VLLM_SRC)/vllm/v1),--vllm-src $(VLLM_SRC))
 
 bench: $(STAMP)
 	$(VENV)/bin/mtpstate bench
