@@ -221,13 +221,14 @@ def test_vllm_check_without_vllm(capsys, monkeypatch):
     assert rc == 1 and facts["would_apply"] is False and facts["vllm"] is None
 
 
-def _bench_vllm_in(tmp_path, *args, pythonpath=None):
-    """``mtpstate bench-vllm`` in a fresh process started in ``tmp_path``,
-    with ``pythonpath`` (a directory) first on the path: as a user runs it."""
+def _bench_vllm_in(tmp_path, *args, pythonpath=None, command="bench-vllm"):
+    """``mtpstate bench-vllm`` (or ``command``) in a fresh process started in
+    ``tmp_path``, with ``pythonpath`` (a directory) first on the path: as a
+    user runs it."""
     env = {k: v for k, v in __import__("os").environ.items() if k != "PYTHONPATH"}
     if pythonpath is not None:
         env["PYTHONPATH"] = str(pythonpath)
-    return _cli("bench-vllm", *args, cwd=tmp_path, env=env)
+    return _cli(command, *args, cwd=tmp_path, env=env)
 
 
 def _unusable(p, tmp_path, *words):
@@ -263,6 +264,36 @@ def test_bench_vllm_unsupported_version(tmp_path):
     (fake / "version.py").write_text("raise ImportError('a broken install')\n")
     p = _bench_vllm_in(tmp_path, "--quick", "--json", "out.json", pythonpath=tmp_path / "site")
     _unusable(p, tmp_path, "`import vllm.version` fails")
+
+
+def test_vllm_verify_without_a_usable_vllm(tmp_path):
+    """`mtpstate vllm-verify` where there is no vLLM, or one mtpstate does
+    not support: one line, exit status 2, nothing written, nothing run."""
+    import importlib.util
+
+    if importlib.util.find_spec("vllm") is None:
+        p = _bench_vllm_in(tmp_path, "--quick", "--json", "out.json", command="vllm-verify")
+        _unusable(p, tmp_path, "vLLM is not installed", sys.executable)
+    fake = tmp_path / "site" / "vllm"
+    fake.mkdir(parents=True)
+    (fake / "__init__.py").write_text("")
+    (fake / "version.py").write_text("__version__ = '0.1.0'\n")
+    (fake / "platforms.py").write_text("raise RuntimeError('vllm-verify ran vLLM before checking its version')\n")
+    p = _bench_vllm_in(tmp_path, "--json", "out.json", pythonpath=tmp_path / "site", command="vllm-verify")
+    _unusable(p, tmp_path, "vLLM 0.1.0 is not a supported version", "0.34.0")
+
+
+def test_vllm_verify_usage_errors(tmp_path):
+    for argv, flag in (
+        (["--workload", "nope"], "--workload"),
+        (["--device", "tpu"], "--device"),
+        (["--steps", "0"], "--steps"),
+        (["--sabotage", "nope"], "--sabotage"),
+        (["--json", str(tmp_path / "no" / "such" / "dir" / "out.json")], "--json"),
+    ):
+        p = _cli("vllm-verify", *argv)
+        assert p.returncode == 2, (argv, p.stderr)
+        assert flag in p.stderr and "Traceback" not in p.stderr
 
 
 def test_bench_vllm_usage_errors(tmp_path):
