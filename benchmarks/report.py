@@ -31,7 +31,8 @@ typed by hand in the prose.
 Usage:
   python benchmarks/report.py --write     # rewrite the regions and figures in the docs
   python benchmarks/report.py --plots     # docs/img/runner.png, docs/img/bookkeeping.png (matplotlib)
-  python benchmarks/report.py --check     # exit 1 if a region differs from its JSON (tests/test_docs.py)
+  python benchmarks/report.py --check     # exit 1 if a region or figure differs from its JSON, or a figure
+                                          # is typed by hand (tests/test_docs.py)
   python benchmarks/report.py NAME        # print one region
 """
 
@@ -512,9 +513,10 @@ def figure(spec: str) -> str:
     value = matches[0]
     derived = DERIVED.get(source, {}).get(field)
     if derived is not None:
-        return FORMATS[fmt or "x"](derived(value))
-    for key in field.split("."):
-        value = value[key]
+        value = derived(value)
+    else:
+        for key in field.split("."):
+            value = value[key]
     return FORMATS[fmt or "x"](value)
 
 

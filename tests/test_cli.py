@@ -231,6 +231,17 @@ def _bench_vllm_in(tmp_path, *args, pythonpath=None, command="bench-vllm"):
     return _cli(command, *args, cwd=tmp_path, env=env)
 
 
+def _fake_vllm(tmp_path, command: str):
+    """A package under ``tmp_path / "site"`` that says it is vLLM 0.1.0 and
+    fails if ``command`` runs anything of it beyond its version module."""
+    fake = tmp_path / "site" / "vllm"
+    fake.mkdir(parents=True)
+    (fake / "__init__.py").write_text("")
+    (fake / "version.py").write_text("__version__ = '0.1.0'\n")
+    (fake / "platforms.py").write_text(f"raise RuntimeError('{command} ran vLLM before checking its version')\n")
+    return fake
+
+
 def _unusable(p, tmp_path, *words):
     """One line on stderr, exit status 2, nothing written, nothing run."""
     assert p.returncode == 2, (p.returncode, p.stdout, p.stderr)
@@ -254,11 +265,7 @@ def test_bench_vllm_unsupported_version(tmp_path):
     """A vLLM that is not a supported release (a package that says it is
     0.1.0), or one whose version cannot be read: refused, by name, before
     anything of it beyond its version module runs."""
-    fake = tmp_path / "site" / "vllm"
-    fake.mkdir(parents=True)
-    (fake / "__init__.py").write_text("")
-    (fake / "version.py").write_text("__version__ = '0.1.0'\n")
-    (fake / "platforms.py").write_text("raise RuntimeError('bench-vllm ran vLLM before checking its version')\n")
+    fake = _fake_vllm(tmp_path, "bench-vllm")
     p = _bench_vllm_in(tmp_path, "--quick", "--json", "out.json", pythonpath=tmp_path / "site")
     _unusable(p, tmp_path, "vLLM 0.1.0 is not a supported version", "0.34.0")
     (fake / "version.py").write_text("raise ImportError('a broken install')\n")
@@ -274,36 +281,21 @@ def test_vllm_verify_without_a_usable_vllm(tmp_path):
     if importlib.util.find_spec("vllm") is None:
         p = _bench_vllm_in(tmp_path, "--quick", "--json", "out.json", command="vllm-verify")
         _unusable(p, tmp_path, "vLLM is not installed", sys.executable)
-    fake = tmp_path / "site" / "vllm"
-    fake.mkdir(parents=True)
-    (fake / "__init__.py").write_text("")
-    (fake / "version.py").write_text("__version__ = '0.1.0'\n")
-    (fake / "platforms.py").write_text("raise RuntimeError('vllm-verify ran vLLM before checking its version')\n")
+    _fake_vllm(tmp_path, "vllm-verify")
     p = _bench_vllm_in(tmp_path, "--json", "out.json", pythonpath=tmp_path / "site", command="vllm-verify")
     _unusable(p, tmp_path, "vLLM 0.1.0 is not a supported version", "0.34.0")
 
 
-def test_vllm_verify_usage_errors(tmp_path):
-    for argv, flag in (
-        (["--workload", "nope"], "--workload"),
-        (["--device", "tpu"], "--device"),
-        (["--steps", "0"], "--steps"),
-        (["--sabotage", "nope"], "--sabotage"),
-        (["--json", str(tmp_path / "no" / "such" / "dir" / "out.json")], "--json"),
-    ):
-        p = _cli("vllm-verify", *argv)
+@pytest.mark.parametrize(
+    "command,flags",
+    [
+        ("bench-vllm", (("--sizes", "0"), ("--workload", "nope"), ("--device", "tpu"), ("--repeats", "0"))),
+        ("vllm-verify", (("--workload", "nope"), ("--device", "tpu"), ("--steps", "0"), ("--sabotage", "nope"))),
+    ],
+)
+def test_vllm_commands_usage_errors(tmp_path, command, flags):
+    bad_json = ("--json", str(tmp_path / "no" / "such" / "dir" / "out.json"))
+    for argv in (*flags, bad_json):
+        p = _cli(command, *argv)
         assert p.returncode == 2, (argv, p.stderr)
-        assert flag in p.stderr and "Traceback" not in p.stderr
-
-
-def test_bench_vllm_usage_errors(tmp_path):
-    for argv, flag in (
-        (["--sizes", "0"], "--sizes"),
-        (["--workload", "nope"], "--workload"),
-        (["--device", "tpu"], "--device"),
-        (["--repeats", "0"], "--repeats"),
-        (["--json", str(tmp_path / "no" / "such" / "dir" / "out.json")], "--json"),
-    ):
-        p = _cli("bench-vllm", *argv)
-        assert p.returncode == 2, (argv, p.stderr)
-        assert flag in p.stderr and "Traceback" not in p.stderr
+        assert argv[0] in p.stderr and "Traceback" not in p.stderr

@@ -262,7 +262,7 @@ def test_nearest_supported_release():
 def test_drift_names_each_changed_definition_from_source_text():
     """plugin.drift reads source text only: every definition is named, a
     stand-in differs, a definition gone is missing, a module that cannot
-    be read says so."""
+    be read says so (the same verdicts as the guard's)."""
     release = max(plugin.SUPPORTED, key=plugin._version_key)
     table = plugin.definitions(release)
     gone_mod, lost_mod = "vllm.v1.worker.gpu.input_batch", "vllm.sampling_params"
@@ -284,8 +284,8 @@ def test_drift_names_each_changed_definition_from_source_text():
 
     got = plugin.drift(read, release)
     assert set(got) == {f"{m}:{n}" for m, names in table.items() for n in names}
-    assert got[f"{gone_mod}:expand_idx_mapping"] == "missing"
-    assert all(v.startswith("its module cannot be read") for k, v in got.items() if k.startswith(lost_mod + ":"))
+    assert got[f"{gone_mod}:expand_idx_mapping"] == "missing in the source"
+    assert all(v.startswith("its source cannot be read") for k, v in got.items() if k.startswith(lost_mod + ":"))
     # (every definition here is a stand-in: all differ from vLLM's, but none is reported missing wrongly)
     assert all(
         v.startswith("differs from vLLM")

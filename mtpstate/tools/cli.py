@@ -612,9 +612,8 @@ def _cmd_vllm_check(args) -> int:
 
 
 def _cmd_vllm_verify(args) -> int:
-    from mtpstate.tools import bench_vllm
     from mtpstate.tools.vllm_verify.verify import header as verify_header
-    from mtpstate.tools.vllm_verify.verify import verify
+    from mtpstate.tools.vllm_verify.verify import shimmed, verify
 
     _check_output(args.json, "--json")
     found, shims = _vllm_set_up(args.device)
@@ -632,7 +631,7 @@ def _cmd_vllm_verify(args) -> int:
         sabotage=args.sabotage,
         say=lambda line: print(line, flush=True),
     )
-    doc["shims"] = list(bench_vllm.VLLM_CPU_SHIMS if args.device == "cpu" else shims)
+    doc["shims"] = list(shimmed(args.device, shims))
     if args.json:
         with open(args.json, "w") as fh:
             json.dump(doc, fh, indent=1, default=str)

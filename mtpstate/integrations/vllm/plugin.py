@@ -172,25 +172,31 @@ def nearest_release(version: str | None) -> str:
 def drift(read_source, release: str) -> dict[str, str]:
     """Each definition of :func:`definitions` (``release``) in the sources
     ``read_source(module) -> text`` gives: ``module:name`` -> ``"ok"``, or
-    what differs (its fingerprint, or missing, or its module unreadable).
-    Imports nothing: it reads source text."""
+    what differs (:func:`_verdicts`). Imports nothing: it reads source text."""
     out = {}
     for mod, names in definitions(release).items():
-        try:
-            found = _source.function_fingerprints(read_source(mod), names)
-        except Exception as e:  # noqa: BLE001  (reported per definition)
-            found = dict.fromkeys(names, e)
-        for name, want in names.items():
-            fp = found[name]
-            if isinstance(fp, Exception):
-                got = f"its module cannot be read ({type(fp).__name__}: {fp})"
-            elif fp is None:
-                got = "missing"
-            elif fp != want:
-                got = f"differs from vLLM {release}'s (fingerprint {fp}, expected {want})"
-            else:
-                got = "ok"
+        for name, got in _verdicts(read_source, mod, names, release).items():
             out[f"{mod}:{name}"] = got
+    return out
+
+
+def _verdicts(read_source, mod: str, names: dict[str, str], release: str) -> dict[str, str]:
+    """Per definition of module ``mod`` (``name`` -> its fingerprint in
+    ``release``): ``"ok"``, ``"missing in the source"``, ``"differs from vLLM
+    <release>'s (...)"`` or ``"its source cannot be read (...)"``."""
+    try:
+        found = _source.function_fingerprints(read_source(mod), names)
+    except Exception as e:  # noqa: BLE001  (reported per definition, never raised)
+        return dict.fromkeys(names, f"its source cannot be read ({type(e).__name__}: {e})")
+    out = {}
+    for name, want in names.items():
+        fp = found[name]
+        if fp is None:
+            out[name] = "missing in the source"
+        elif fp != want:
+            out[name] = f"differs from vLLM {release}'s (fingerprint {fp}, expected {want})"
+        else:
+            out[name] = "ok"
     return out
 
 
@@ -328,20 +334,9 @@ def _module_source(name: str) -> str:
 
 def _check_computed(v: Verdict, release: str, mod: str, names: dict[str, str]) -> None:
     short = mod.rsplit(".", 1)[-1]
-    try:
-        found = _source.function_fingerprints(_module_source(mod), names)
-    except Exception as e:  # noqa: BLE001  (reported as a problem, never raised)
-        for name in names:
-            v.computed[f"{short}.{name}"] = f"its source cannot be read ({type(e).__name__}: {e})"
-        return
-    for name, want in names.items():
-        fp = found[name]
-        if fp is None:
-            got = "missing in the source"
-        elif fp != want:
-            got = f"differs from vLLM {release}'s (fingerprint {fp}, expected {want}); mtpstate computes its results"
-        else:
-            got = "ok"
+    for name, got in _verdicts(_module_source, mod, names, release).items():
+        if got.startswith("differs"):
+            got += "; mtpstate computes its results"
         v.computed[f"{short}.{name}"] = got
 
 

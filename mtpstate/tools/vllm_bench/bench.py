@@ -48,7 +48,7 @@ def bench_workload(
     return r
 
 
-def _synchronizer(device: str):
+def synchronizer(device: str):
     """What ends a side's step outside the timed region: the device drained
     (CUDA), nothing on the CPU."""
     if device == "cpu":
@@ -135,7 +135,7 @@ def _bench(w, model_dir, repeats, device):
     blobs, timed, block_sizes = recorded_steps(w, model_dir)
     mirror = None if device == "cpu" else device
     kw = dict(max_num_reqs=w.max_num_seqs, max_model_len=w.max_model_len, block_sizes=block_sizes, device=mirror)
-    sync = _synchronizer(device)
+    sync = synchronizer(device)
     dq = 1 + w.num_spec
     t_ref, t_ours, t_apply, running = [], [], [], []
     for _ in range(repeats):
@@ -231,7 +231,7 @@ def _bench_runner(w, model_dir, repeats, device, sampler=True):
     Also counts the torch operator calls per step on each side."""
     blobs, timed, block_sizes = recorded_steps(w, model_dir)
     args = (w.max_num_seqs, w.max_model_len, w.max_num_batched_tokens, block_sizes, w.num_spec)
-    sync = _synchronizer(device)
+    sync = synchronizer(device)
     times = {False: [], True: []}
     running, with_new = [], []
     for rep in range(repeats):
@@ -320,7 +320,7 @@ def _answers_times(w, block_sizes, blobs, timed, device="cpu") -> dict | None:
     plus ``compute`` at gather, us; and the share of batches answered from
     the counts over the live rows. None: the sampler is left to vLLM."""
     args = (w.max_num_seqs, w.max_model_len, w.max_num_batched_tokens, block_sizes, w.num_spec)
-    sync = _synchronizer(device)
+    sync = synchronizer(device)
     ref = MRV2Reference(*args, use_mtpstate=True, device=device, sampler=True)
     st = ref.mtpstate
     if st.sampler_answers is None:
@@ -433,7 +433,7 @@ def _torch_op_counts(w, block_sizes, blobs, timed, device="cpu", sampler=False) 
     def per_kind(values: dict) -> dict:
         return {k: (statistics.median(v) if v else None) for k, v in values.items()}
 
-    sync = _synchronizer(device)
+    sync = synchronizer(device)
     args = (w.max_num_seqs, w.max_model_len, w.max_num_batched_tokens, block_sizes, w.num_spec)
     out = {}
     for side, on in (("vllm", False), ("mtpstate", True)):

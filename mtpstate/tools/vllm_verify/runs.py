@@ -14,6 +14,7 @@ import pickle
 
 import numpy as np
 
+from mtpstate.tools.vllm_bench.bench import synchronizer
 from mtpstate.tools.vllm_bench.driver import Driver
 from mtpstate.tools.vllm_bench.reference import MRV2Reference, load_plugin
 from mtpstate.tools.vllm_bench.workloads import Workload
@@ -142,7 +143,7 @@ def run_runner_differential(
     answers = patched.mtpstate.sampler_answers if sampler else None
     if sampler and answers is None:
         raise RuntimeError("mtpstate did not attach to vLLM's Sampler")
-    sync = _synchronize(device)
+    sync = synchronizer(device)
     res = _new_result(w.name)
     res["sampler_answered"] = 0
     per_step = collections.Counter()
@@ -190,12 +191,3 @@ def run_runner_differential(
         up = answers.writer.uploads
         res["sampler_uploads"] = None if up is None else up.uploads
     return res
-
-
-def _synchronize(device: str):
-    """Wait for the device's queued work (a no-op on the CPU)."""
-    if device == "cpu":
-        return lambda: None
-    import torch
-
-    return torch.cuda.synchronize

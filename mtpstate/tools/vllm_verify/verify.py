@@ -38,15 +38,21 @@ VERIFY_CPU_NOTE = (
 VERIFY_CUDA_NOTE = "nothing of mtpstate or vLLM's kernels is shimmed; device tensors are compared after a synchronize"
 
 
-def header(found: dict, device: str, shims: tuple[str, ...]) -> list[str]:
-    """The lines naming what is verified: the versions, the device, what is
-    shimmed of vLLM (``shims``: what ``bench_vllm.prepare`` applied; on the
-    CPU, vLLM's part of it: the mirror runs)."""
+def shimmed(device: str, applied: tuple[str, ...]) -> tuple[str, ...]:
+    """What is shimmed of vLLM (``applied``: what ``bench_vllm.prepare``
+    applied; on the CPU, vLLM's part of it: mtpstate's mirror runs)."""
     from mtpstate.tools import bench_vllm
 
-    if device == "cpu":
-        shims = bench_vllm.VLLM_CPU_SHIMS
-    return bench_vllm.header(found, device, shims, VERIFY_CPU_NOTE if device == "cpu" else VERIFY_CUDA_NOTE)
+    return bench_vllm.VLLM_CPU_SHIMS if device == "cpu" else applied
+
+
+def header(found: dict, device: str, applied: tuple[str, ...]) -> list[str]:
+    """The lines naming what is verified: the versions, the device, what is
+    shimmed of vLLM (:func:`shimmed`)."""
+    from mtpstate.tools import bench_vllm
+
+    note = VERIFY_CPU_NOTE if device == "cpu" else VERIFY_CUDA_NOTE
+    return bench_vllm.header(found, device, shimmed(device, applied), note)
 
 
 def workload_line(r: dict) -> str:
