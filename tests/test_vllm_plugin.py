@@ -292,3 +292,34 @@ def test_drift_names_each_changed_definition_from_source_text():
         for k, v in got.items()
         if not k.startswith((lost_mod, gone_mod + ":expand_idx_mapping"))
     )
+
+
+def test_shadow_refused_by_the_guard_changes_nothing(fake_vllm, monkeypatch, caplog):
+    """VLLM_USE_MTPSTATE=shadow takes the same guard: on a vLLM it was not
+    written for, one WARNING and nothing set up."""
+    (fake_vllm.parents[3] / "version.py").write_text("__version__ = '9.9.10'\n")
+    monkeypatch.setenv(plugin.ENV_VAR, "shadow")
+    m = _runner_module()
+    before = dict(vars(m.GPUModelRunner))
+    with caplog.at_level(logging.DEBUG, logger="vllm.mtpstate"):
+        v = plugin.shadow(m)
+    assert not v.ok and dict(vars(m.GPUModelRunner)) == before and not hasattr(m, "os")
+    warnings = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert len(warnings) == 1 and "=shadow, but the shadow is not set up" in warnings[0]
+    assert "9.9.10 is not a supported version" in warnings[0]
+
+
+def test_shadow_on_import_compiles_nothing_into_vllms_module(fake_vllm, monkeypatch, caplog):
+    """With the guard passing, shadow mode never applies the patch: here the
+    runner lacks a method the shadow observes, so it is left as it was (an
+    ERROR, vLLM runs on), and the patch's import did not reach the module."""
+    monkeypatch.setenv(plugin.ENV_VAR, "shadow")
+    plugin.register()
+    with caplog.at_level(logging.DEBUG, logger="vllm.mtpstate"):
+        m = _runner_module()
+    R = m.GPUModelRunner
+    assert R().add_requests(None) == 1 and not hasattr(m, "os")
+    assert not getattr(vars(R)["add_requests"], "__mtpstate_shadow__", False)
+    assert not plugin.check(m).applied
+    errors = [r.getMessage() for r in caplog.records if r.levelno == logging.ERROR]
+    assert len(errors) == 1 and "failed while applying" in errors[0]

@@ -69,10 +69,26 @@ def main(argv=None) -> int:
         action="store_true",
         help="with --runner: mtpstate's device work on a model of a GPU's asynchrony, counted per step",
     )
+    p.add_argument(
+        "--shadow",
+        action="store_true",
+        help="shadow mode: vLLM's own runner with and without mtpstate's shadow (identical results), "
+        "and what the shadow reports (with --sabotage: the mutant, found)",
+    )
+    p.add_argument(
+        "--every",
+        type=int,
+        action="append",
+        help="with --shadow: MTPSTATE_SHADOW_EVERY of a shadowed run (repeatable; default 16)",
+    )
+    p.add_argument("--fault-at", type=int, help="with --shadow: the shadow raises in this step (0-based)")
+    p.add_argument("--long-id-at", type=int, help="with --shadow: the n-th request's id is one mtpstate refuses")
     p.add_argument("--json", metavar="FILE")
     args = p.parse_args(argv)
     install_cpu_shims()
-    if args.runner or args.breakdown:
+    if args.shadow:
+        load_plugin(mode="shadow")
+    elif args.runner or args.breakdown:
         load_plugin()  # through vLLM's own plugin loader, as every vLLM process
     if args.breakdown:
         cache_envs()  # timed as a serving vLLM runs, once started
@@ -87,6 +103,9 @@ def main(argv=None) -> int:
         if args.scale_steps is not None:
             w = replace(w, steps=min(w.steps * args.scale_steps // 400, args.scale_steps))
         t0 = time.perf_counter()
+        if args.shadow:
+            failed |= _shadowed(w, model_dir, args)
+            continue
         if args.breakdown:
             r = breakdown_workload(w, model_dir)
         elif args.runner:
@@ -103,6 +122,37 @@ def main(argv=None) -> int:
         with open(args.json, "w") as f:
             json.dump({"machine": run_machine(), "results": results}, f, indent=1)
     return 1 if failed else 0
+
+
+def _shadowed(w, model_dir, args) -> bool:
+    """One line per shadowed run: vLLM's results identical to the run
+    without the shadow (every step's hash), and the shadow's report.
+    Returns whether the shadow found a disagreement where none was put."""
+    import torch
+
+    from mtpstate.devices import DeferredOps
+    from mtpstate.tools.vllm_verify.runs import run_shadow
+
+    if args.long_id_at is not None:
+        w = replace(w, long_request_id=args.long_id_at)
+    base = run_shadow(w, model_dir, shadowed=False)["digests"]
+    failed = False
+    for every in args.every or [16]:
+        t0 = time.perf_counter()
+        ops = DeferredOps(torch, graphs=True) if args.deferred else None
+        r = run_shadow(w, model_dir, shadowed=True, every=every, ops=ops, fault_at=args.fault_at)
+        digests = r.pop("digests")
+        differ = [i for i, (a, b) in enumerate(zip(base, digests)) if a != b]
+        r.update(
+            every=every,
+            identical=len(base) == len(digests) and not differ,
+            first_differing_step=differ[0] if differ else None,
+            seconds=time.perf_counter() - t0,
+        )
+        print(json.dumps(r), flush=True)
+        sh = r["shadow"] or {}
+        failed |= not r["identical"] or (sh.get("disagreements", 0) > 0 and not args.sabotage)
+    return failed
 
 
 if __name__ == "__main__":

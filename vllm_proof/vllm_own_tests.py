@@ -1,10 +1,12 @@
 """vLLM 0.34.0's own unit tests for the worker and Model Runner V2, run on CPU
-three ways; exactly the tests that pass without mtpstate must pass with it.
+four ways; exactly the tests that pass without mtpstate must pass with it.
 
 1. vLLM's unpatched source (the baseline);
 2. the same source with vLLM's general plugins loaded first and
    ``VLLM_USE_MTPSTATE=1`` (mtpstate's plugin patches the runner);
-3. the source tree with ``mrv2.patch`` applied, ``VLLM_USE_MTPSTATE=1``.
+3. the source tree with ``mrv2.patch`` applied, ``VLLM_USE_MTPSTATE=1``;
+4. the unpatched source, plugins loaded, ``VLLM_USE_MTPSTATE=shadow``
+   (vLLM's own methods, observed by mtpstate's shadow).
 
 Some of these tests fail on CPU with or without mtpstate (no CUDA, no
 Triton, optional packages, no model hub): pass sets are compared, not totals.
@@ -26,7 +28,7 @@ TEST_DIRS = ("tests/v1/worker", "tests/v1/streaming_input")
 _RESULT = re.compile(r"^(PASSED|FAILED|ERROR|SKIPPED|XFAIL|XPASS) (\S+)")
 
 
-def run(src: str, plugin: bool, patched: bool) -> dict:
+def run(src: str, plugin: bool, patched: bool, shadow: bool = False) -> dict:
     """vLLM's tests of ``src`` against the vLLM of ``src`` (pytest runs in
     it: ``python -m pytest`` puts the working directory first on sys.path)."""
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([src, HERE]), HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
@@ -34,7 +36,7 @@ def run(src: str, plugin: bool, patched: bool) -> dict:
     for name in ("VLLM_USE_MTPSTATE", "MTPSTATE_LOAD_VLLM_PLUGINS", "VLLM_PLUGINS"):
         env.pop(name, None)
     if plugin or patched:
-        env["VLLM_USE_MTPSTATE"] = "1"
+        env["VLLM_USE_MTPSTATE"] = "shadow" if shadow else "1"
     if plugin:
         env["MTPSTATE_LOAD_VLLM_PLUGINS"] = "1"
     cmd = [sys.executable, "-m", "pytest", "--noconftest", "--import-mode=importlib", "-p", "no:cacheprovider"]
@@ -71,6 +73,7 @@ def main(argv=None) -> int:
         "vllm": run(src, plugin=False, patched=False),
         "plugin": run(src, plugin=True, patched=False),
         "patch": run(patched, plugin=False, patched=True),
+        "shadow": run(src, plugin=True, patched=False, shadow=True),
     }
     base = {t for t, o in runs["vllm"]["outcome"].items() if o == "PASSED"}
     ok = bool(base)
@@ -93,9 +96,10 @@ def main(argv=None) -> int:
             ok = False
     # each run must have tested what it says, else its pass set proves nothing
     expect = {
-        "vllm": {"vllm": src, "patch_in_source": False, "applied_by_plugin": False},
-        "plugin": {"vllm": src, "patch_in_source": False, "applied_by_plugin": True},
-        "patch": {"vllm": patched, "patch_in_source": True, "applied_by_plugin": False},
+        "vllm": {"vllm": src, "patch_in_source": False, "applied_by_plugin": False, "shadow_set_up": False},
+        "plugin": {"vllm": src, "patch_in_source": False, "applied_by_plugin": True, "shadow_set_up": False},
+        "patch": {"vllm": patched, "patch_in_source": True, "applied_by_plugin": False, "shadow_set_up": False},
+        "shadow": {"vllm": src, "patch_in_source": False, "applied_by_plugin": False, "shadow_set_up": True},
     }
     for name, want in expect.items():
         rep = runs[name]["plugin"] or {}

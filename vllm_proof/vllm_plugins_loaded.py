@@ -5,13 +5,15 @@ start-up, before the tests run: ``load_general_plugins()``, which with
 ``VLLM_USE_MTPSTATE=1`` loads mtpstate's entry point. In every run it reports,
 on one line that ``vllm_own_tests.py`` reads, which vLLM was imported,
 whether its runner carries the patch (in its source, or applied by the
-plugin), and how many runners took mtpstate's state."""
+plugin) or shadow mode's wrappers, and how many runners took mtpstate's
+state (a shadow's own runner counts) and how many shadows began."""
 
 import json
 import os
 import sys
 
 _built = []
+_shadows = []
 
 
 def pytest_configure(config):
@@ -28,6 +30,15 @@ def pytest_configure(config):
         original(self, *args, **kwargs)
 
     adapter.ModelRunnerV2State.__init__ = counted
+    from mtpstate.integrations.vllm.shadow import monitor
+
+    shadow_init = monitor.Shadow.__init__
+
+    def counted_shadow(self, *args, **kwargs):
+        shadow_init(self, *args, **kwargs)
+        _shadows.append(1)
+
+    monitor.Shadow.__init__ = counted_shadow
 
 
 def pytest_unconfigure(config):
@@ -47,5 +58,8 @@ def pytest_unconfigure(config):
         "patch_in_source": plugin.ENV_VAR in source,
         "applied_by_plugin": bool(v and v.applied and v.ok),
         "states_built": len(_built),
+        "shadow_set_up": module is not None
+        and getattr(vars(module.GPUModelRunner)["update_requests"], "__mtpstate_shadow__", False),
+        "shadows_built": len(_shadows),
     }
     print("MTPSTATE-REPORT " + json.dumps(report), flush=True)

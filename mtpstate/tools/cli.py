@@ -605,9 +605,18 @@ def _cmd_vllm_check(args) -> int:
                 f"{plugin.ENV_VAR}=1 would: apply mtpstate to Model Runner V2's GPUModelRunner in every vLLM "
                 "process (pooling, PCP, adaptive-verification and encoder-decoder runners keep vLLM's own path)"
             )
+            sh = f.get("shadow", {})
+            print(
+                f"{plugin.ENV_VAR}=shadow would: leave vLLM's runner as it is and keep mtpstate's state beside "
+                "it, compared by request id after every step (state, batch, inputs, sampler values and answers), "
+                f"device tensors every {sh.get('every')} batches (MTPSTATE_SHADOW_EVERY), one INFO line every "
+                f"{sh.get('log_every')} steps (MTPSTATE_SHADOW_LOG_EVERY); the first disagreement: one WARNING "
+                "in full, then the shadow stops. Never changes what vLLM does"
+            )
         else:
             for r in f["reasons"]:
                 print(f"{plugin.ENV_VAR}=1 would do nothing: {r}")
+                print(f"{plugin.ENV_VAR}=shadow would do nothing: {r}")
     return 0 if f["would_apply"] else EXIT_RUNTIME
 
 

@@ -5,7 +5,10 @@ workers), before a worker builds its model runner. With
 ``VLLM_USE_MTPSTATE=1`` it applies the worked patch (``mrv2.patch``) to
 Model Runner V2's ``GPUModelRunner`` in memory: the methods the patch
 changes are compiled from the patched text of the module that is loaded and
-set on the class. Without the variable it does nothing.
+set on the class. With ``VLLM_USE_MTPSTATE=shadow`` it changes none of
+vLLM's code paths: the same guard, then mtpstate runs beside vLLM's own
+runner and compares every step (:mod:`mtpstate.integrations.vllm.shadow`).
+Without the variable it does nothing.
 
 The guard: before anything is changed, the installed vLLM must be a
 supported version, every method the patch changes must be the very
@@ -48,6 +51,7 @@ __all__ = [
     "definitions",
     "drift",
     "enabled",
+    "mode",
     "nearest_release",
     "register",
 ]
@@ -207,9 +211,17 @@ _APPLIED = "__mtpstate_patched__"  # marks a method set by apply()
 _lock = threading.RLock()
 
 
+def mode() -> str:
+    """What ``VLLM_USE_MTPSTATE`` asks of this process: ``"on"`` (``1``),
+    ``"shadow"`` (``shadow``: vLLM runs as without mtpstate, which is
+    compared with it every step) or ``"off"`` (anything else, or unset)."""
+    value = os.environ.get(ENV_VAR, "0").strip().lower()
+    return {"1": "on", "shadow": "shadow"}.get(value, "off")
+
+
 def enabled() -> bool:
     """Whether ``VLLM_USE_MTPSTATE=1`` is set in this process."""
-    return os.environ.get(ENV_VAR, "0").strip() == "1"
+    return mode() == "on"
 
 
 @dataclass
@@ -404,17 +416,11 @@ def apply(module=None) -> Verdict:
             )
             return v
         change = v.change
-        filename = f"<mtpstate: {module.__file__} + mrv2.patch>"
-        # tracebacks show the patched lines
-        lines = change.patched_text.splitlines(keepends=True)
-        linecache.cache[filename] = (len(change.patched_text), None, lines, filename)
         # everything compiled before anything is set: never half-applied
-        new = {}
-        for key in change.methods:
-            fn = _source.compile_method(change, key, module.__dict__, filename)
+        new = compile_patched(module, change, module.__dict__)
+        for (cls_name, name), fn in new.items():
             setattr(fn, _APPLIED, True)
-            fn.__mtpstate_original__ = vars(getattr(module, key[0]))[key[1]]
-            new[key] = fn
+            fn.__mtpstate_original__ = vars(getattr(module, cls_name))[name]
         for stmt in change.imports:
             exec(stmt, module.__dict__)  # noqa: S102  (a new import statement of the patch)
         for (cls_name, name), value in change.class_attrs.items():
@@ -423,6 +429,47 @@ def apply(module=None) -> Verdict:
             setattr(getattr(module, cls_name), name, fn)
         v.applied = True
         logger.debug("mtpstate: applied to %s (%d methods)", RUNNER_MODULE, len(new))
+        return v
+
+
+def compile_patched(module, change: _source.SourceChange, module_globals: dict) -> dict:
+    """The methods the patch changes, compiled from the patched text of
+    ``module`` with ``module_globals`` (``(class, method)`` -> function);
+    tracebacks show the patched lines. Sets nothing on the module."""
+    filename = f"<mtpstate: {module.__file__} + mrv2.patch>"
+    lines = change.patched_text.splitlines(keepends=True)
+    linecache.cache[filename] = (len(change.patched_text), None, lines, filename)
+    return {key: _source.compile_method(change, key, module_globals, filename) for key in change.methods}
+
+
+def shadow(module=None) -> Verdict:
+    """Check, then set up shadow mode on the loaded runner module
+    (:func:`mtpstate.integrations.vllm.shadow.install`): vLLM's methods stay
+    vLLM's, observed by wrappers; the patched methods run only on the
+    shadow's own runner. Logs one WARNING when the guard refuses."""
+    from mtpstate.integrations.vllm import shadow as _shadow
+
+    with _lock:
+        if module is None:
+            module = importlib.import_module(RUNNER_MODULE)
+        v = check(module)
+        if not v.ok:
+            logger.warning(
+                "mtpstate: %s=shadow, but the shadow is not set up; vLLM runs without it. %s. "
+                "Run `mtpstate vllm-check` for the details.",
+                ENV_VAR,
+                "; ".join(v.problems),
+            )
+            return v
+        if v.applied:
+            logger.warning("mtpstate: %s=shadow, but mtpstate is applied in this process; no shadow", ENV_VAR)
+            return v
+        # the patched methods compiled against a copy of the module's
+        # globals (with the patch's imports): vLLM's module is not touched
+        scope = dict(module.__dict__)
+        for stmt in v.change.imports:
+            exec(stmt, scope)  # noqa: S102  (a new import statement of the patch)
+        _shadow.install(module, compile_patched(module, v.change, scope))
         return v
 
 
@@ -460,18 +507,21 @@ class _Loader(importlib.abc.Loader):
 
 def _apply_safely(module) -> None:
     try:
-        apply(module)
+        if mode() == "shadow":
+            shadow(module)
+        else:
+            apply(module)
     except Exception:  # noqa: BLE001  (a bug of ours must not stop vLLM: it runs without mtpstate)
         logger.exception("mtpstate: failed while applying the integration; vLLM runs without it")
 
 
 def register() -> None:
     """The ``vllm.general_plugins`` entry point. Without
-    ``VLLM_USE_MTPSTATE=1``: nothing. With it: patch the runner module now
-    if it is loaded, else when it is first imported. Safe to call any
-    number of times."""
-    if not enabled():
-        logger.debug("mtpstate: %s is not 1; the vLLM plugin does nothing", ENV_VAR)
+    ``VLLM_USE_MTPSTATE=1`` or ``=shadow``: nothing. With it: patch the
+    runner module (or set up the shadow) now if it is loaded, else when it
+    is first imported. Safe to call any number of times."""
+    if mode() == "off":
+        logger.debug("mtpstate: %s is neither 1 nor shadow; the vLLM plugin does nothing", ENV_VAR)
         return
     with _lock:
         module = sys.modules.get(RUNNER_MODULE)
@@ -517,4 +567,13 @@ def report() -> dict:
         reasons.append(f"VLLM_PLUGINS={allowed!r} leaves out {eps[0].name!r}")
     facts["would_apply"] = not reasons
     facts["reasons"] = reasons
+    # shadow mode: the same guard and entry point; its settings as this environment sets them
+    from mtpstate.integrations.vllm import shadow as _shadow
+
+    facts["shadow"] = {
+        "would_set_up": not reasons,
+        "every": _shadow.setting(_shadow.EVERY_VAR, _shadow.DEFAULT_EVERY),
+        "log_every": _shadow.setting(_shadow.LOG_EVERY_VAR, _shadow.DEFAULT_LOG_EVERY),
+    }
+    facts["mode"] = mode()
     return facts

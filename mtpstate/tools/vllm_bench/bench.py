@@ -254,6 +254,7 @@ def _bench_runner(w, model_dir, repeats, device, sampler=True):
     ratios = t_off / t_on
     ops = _torch_op_counts(w, block_sizes, blobs, timed, device, sampler)
     answers = _answers_times(w, block_sizes, blobs, timed, device) if sampler else None
+    shadow = _shadow_cost(w, block_sizes, blobs, timed, repeats, device, sampler)
     med = lambda a: float(np.median(a)) * 1e6  # noqa: E731  (us)
     return {
         "workload": w.name,
@@ -289,7 +290,122 @@ def _bench_runner(w, model_dir, repeats, device, sampler=True):
         # the answers computed at gather): median and p90, us
         "sampler_answers_us": answers,
         "torch_ops": ops,
+        # shadow mode (VLLM_USE_MTPSTATE=shadow): what it adds to vLLM's own host step
+        "shadow": shadow,
     }
+
+
+def _shadow_cost(w, block_sizes, blobs, timed, repeats, device, sampler) -> dict:
+    """Shadow mode's host cost per step: vLLM's own runner methods (off)
+    with a :class:`mtpstate.integrations.vllm.shadow.Shadow` fed each step
+    at the points its wrappers call it (before ``add_requests``, after
+    ``update_requests``, after ``prepare_inputs``), its device tensors
+    compared every ``DEFAULT_EVERY`` batches. The shadow's time and vLLM's
+    are clocked apart, per step; ``overhead``: (vLLM + shadow) / vLLM."""
+    from vllm.v1.worker.gpu.model_runner import GPUModelRunner
+
+    from mtpstate.integrations.vllm import plugin
+    from mtpstate.integrations.vllm.shadow import DEFAULT_EVERY, Shadow
+
+    # the patched runner methods, as the plugin set them in this process
+    methods = {tuple(k.split(".", 1)): vars(GPUModelRunner)[k.split(".", 1)[1]] for k in plugin.SUPPORTED["0.34.0"]}
+    args = (w.max_num_seqs, w.max_model_len, w.max_num_batched_tokens, block_sizes, w.num_spec)
+    sync = synchronizer(device)
+    t_vllm, t_shadow, checked = [], [], []
+    with _staging_done_untimed(device):
+        for _ in range(repeats):
+            ref = MRV2Reference(*args, device=device, sampler=sampler)
+            sh = Shadow(ref, methods, GPUModelRunner, every=DEFAULT_EVERY, log_every=1 << 62)
+            for b, keep in zip(blobs, timed):
+                so = pickle.loads(b)
+                v, s = _shadowed_host_step(ref, sh, so)
+                sync()
+                if keep:
+                    t_vllm.append(v)
+                    t_shadow.append(s)
+                    checked.append(sh.batches % sh.every == 0)
+            if not sh.active:
+                raise RuntimeError(f"the shadow stopped while timed: {sh.stopped}")
+    v, s = np.array(t_vllm), np.array(t_shadow)
+    over = (v + s) / v
+    us = lambda a: float(a) * 1e6  # noqa: E731
+    return {
+        "every": DEFAULT_EVERY,
+        "vllm_median_us": us(np.median(v)),
+        "shadow_median_us": us(np.median(s)),
+        "shadow_mean_us": us(np.mean(s)),
+        "shadow_p90_us": us(np.percentile(s, 90)),
+        "shadow_device_check_median_us": us(np.median(s[checked])) if any(checked) else None,
+        "overhead_paired_median": float(np.median(over)),
+        "overhead_paired_p10": float(np.percentile(over, 10)),
+        "overhead_paired_p90": float(np.percentile(over, 90)),
+    }
+
+
+@contextlib.contextmanager
+def _staging_done_untimed(device):
+    """On the CPU shims: the staging's device step done (vLLM's write kernel
+    in numpy, the mirror's copy on the CPU), so that the shadow's device
+    comparisons see what a GPU would hold, each one's time added to
+    ``UNTIMED`` (on a GPU it is the device's work: one launch each)."""
+    if device != "cpu":
+        yield
+        return
+    from vllm.v1.worker.gpu import buffer_utils
+
+    from mtpstate.mirror import DeviceMirror
+    from mtpstate.mirror.ship import _Ship
+    from mtpstate.tools.vllm_bench.shims import _NumpyWriteKernel
+
+    def untimed(fn):
+        def run(*args, **kwargs):
+            t0 = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                _NoLaunch.launches += 1
+                UNTIMED[0] += time.perf_counter() - t0
+
+        return run
+
+    class _Kernel:
+        def __getitem__(self, grid):
+            return untimed(_NumpyWriteKernel()[grid])
+
+    saved = buffer_utils._apply_write_kernel, DeviceMirror._ship
+    buffer_utils._apply_write_kernel, DeviceMirror._ship = _Kernel(), untimed(_Ship._ship)
+    try:
+        yield
+    finally:
+        buffer_utils._apply_write_kernel, DeviceMirror._ship = saved
+
+
+def _shadowed_host_step(sub, sh, so) -> tuple[float, float]:
+    """``_timed_host_step``'s phases on vLLM's side, the shadow's hooks
+    between them; returns (vLLM's seconds, the shadow's seconds), each
+    without the shims' host stand-ins for device work (``UNTIMED``)."""
+    clock = lambda: time.perf_counter() - UNTIMED[0]  # noqa: E731
+    t0 = clock()
+    sub.finish(so)
+    a0 = clock()
+    sh.before_add(so)
+    a1 = clock()
+    sub.add(so)
+    sub.update(so)
+    b0 = clock()
+    sh.after_update(so)
+    b1 = clock()
+    batch = sub.gather(so)
+    ib = sub.inputs(so, batch)
+    c0 = clock()
+    sh.after_prepare(so, batch, sub.descriptor(batch), ib)
+    c1 = clock()
+    sub.attn(ib)
+    if sub.sampler is not None:
+        sub.sample_questions(ib)
+    t1 = clock()
+    shadow = (a1 - a0) + (b1 - b0) + (c1 - c0)
+    return (t1 - t0) - shadow, shadow
 
 
 class _TimedAnswers:

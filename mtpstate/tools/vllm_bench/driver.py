@@ -46,6 +46,8 @@ class Driver:
             prompt = self.prefix[: min(plen, len(self.prefix))] + prompt[len(self.prefix) :]
         suffix = f"{rng.getrandbits(32):08x}"
         rid = f"cmpl-{self.n}-{suffix}" if not w.unicode_ids else f"請求-{self.n}-é-{suffix}"
+        if self.n == w.long_request_id:
+            rid += "-" + "x" * 70_000
         self.n += 1
         mix = sampling_kwargs(self.sampling_rng, self.n)
         n_max = rng.randint(*max_tokens)

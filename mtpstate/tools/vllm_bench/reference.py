@@ -28,20 +28,26 @@ class _ModelState(_Null):
     num_new_sampled_tokens_per_step = 1
 
 
-def load_plugin() -> None:
-    """What every vLLM process does at start-up, with VLLM_USE_MTPSTATE=1:
-    vLLM's own ``load_general_plugins()``, which finds mtpstate's entry point
-    and patches Model Runner V2 (checked: the guard must have applied it)."""
-    os.environ["VLLM_USE_MTPSTATE"] = "1"
+def load_plugin(mode: str = "on") -> None:
+    """What every vLLM process does at start-up, with VLLM_USE_MTPSTATE=1
+    (``mode="shadow"``: ``=shadow``): vLLM's own ``load_general_plugins()``,
+    which finds mtpstate's entry point and patches Model Runner V2 (checked:
+    the guard must have applied it), or sets up shadow mode (checked: its
+    wrappers are set, the methods are vLLM's own)."""
+    os.environ["VLLM_USE_MTPSTATE"] = {"on": "1", "shadow": "shadow"}[mode]
     from vllm.plugins import load_general_plugins
 
     load_general_plugins()
-    import vllm.v1.worker.gpu.model_runner  # noqa: F401  (patched on import)
+    import vllm.v1.worker.gpu.model_runner as runner_module  # (patched on import)
 
     from mtpstate.integrations.vllm import plugin
 
     v = plugin.check()
-    if not (v.applied and v.ok):
+    if mode == "shadow":
+        marked = getattr(vars(runner_module.GPUModelRunner)["update_requests"], "__mtpstate_shadow__", False)
+        if not (marked and v.ok and not v.applied):
+            raise RuntimeError(f"mtpstate's shadow mode is not set up: {v.problems or 'entry point not loaded'}")
+    elif not (v.applied and v.ok):
         raise RuntimeError(f"mtpstate's vLLM plugin did not apply: {v.problems or 'entry point not loaded'}")
 
 
@@ -66,6 +72,8 @@ def vllm_methods(cls):
 
     out = {}
     for name, fn in vars(cls).items():
+        if getattr(fn, "__mtpstate_shadow__", False):  # (shadow mode's wrapper of vLLM's own)
+            fn = fn.__wrapped__
         out[name] = getattr(fn, "__mtpstate_original__", fn)
     return SimpleNamespace(**out)
 
@@ -86,6 +94,7 @@ class MRV2Reference:
         ops=None,
         device="cpu",
         sampler=False,
+        shadowed=False,
     ):
         import torch
         from vllm.v1.worker.gpu.block_table import BlockTables
@@ -109,10 +118,14 @@ class MRV2Reference:
             from vllm.v1.worker.gpu.sample.prompt_logprob import PromptLogprobsWorker
             from vllm.v1.worker.gpu.sample.sampler import Sampler
 
-            self.sampler = Sampler(VllmConfig(), max_num_reqs, VOCAB, dev, self.req_states)
+            self.vllm_config = VllmConfig()
+            self.sampler = Sampler(self.vllm_config, max_num_reqs, VOCAB, dev, self.req_states)
             self.prompt_logprobs_worker = PromptLogprobsWorker(max_num_reqs, dev)
-        # the runner's methods: as the plugin patched them (on), or vLLM's own (off)
-        self._runner = GPUModelRunner if use_mtpstate else vllm_methods(GPUModelRunner)
+        # the runner's methods: as the plugin patched them (on), as shadow
+        # mode observes vLLM's own (shadowed), or vLLM's own (off)
+        self._runner = GPUModelRunner if use_mtpstate or shadowed else vllm_methods(GPUModelRunner)
+        if shadowed and not getattr(vars(GPUModelRunner)["update_requests"], "__mtpstate_shadow__", False):
+            raise RuntimeError("shadow mode is not set up: call load_plugin(mode='shadow') first")
         # what prepare_inputs / prepare_attn read besides the request state
         from types import SimpleNamespace
 
@@ -170,14 +183,17 @@ class MRV2Reference:
         request padding: ``cudagraph`` dispatch is the same on both sides and
         is left out; ``padded``: (requests, tokens) of a full CUDA graph's
         batch it is padded to instead). Returns the InputBatch."""
+        return self._runner.prepare_inputs(self, so, batch, self.descriptor(batch, padded), 0)
+
+    @staticmethod
+    def descriptor(batch, padded: tuple[int, int] | None = None):
+        """The ``BatchExecutionDescriptor`` :meth:`inputs` runs ``batch`` with."""
         from vllm.config.compilation import CUDAGraphMode
         from vllm.v1.worker.gpu.cudagraph_utils import BatchExecutionDescriptor
 
         if padded is None:
-            desc = BatchExecutionDescriptor(cg_mode=CUDAGraphMode.NONE, num_tokens=batch.num_tokens, num_reqs=None)
-        else:
-            desc = BatchExecutionDescriptor(cg_mode=CUDAGraphMode.FULL, num_tokens=padded[1], num_reqs=padded[0])
-        return self._runner.prepare_inputs(self, so, batch, desc, 0)
+            return BatchExecutionDescriptor(cg_mode=CUDAGraphMode.NONE, num_tokens=batch.num_tokens, num_reqs=None)
+        return BatchExecutionDescriptor(cg_mode=CUDAGraphMode.FULL, num_tokens=padded[1], num_reqs=padded[0])
 
     def prepare(self, so, batch, padded=None):
         """``inputs`` and the runner's ``prepare_attn``. Returns the InputBatch."""
@@ -235,50 +251,13 @@ class MRV2Reference:
     def sampler_state(self) -> dict:
         """Per request id: the sampler's per-row values (host arrays and the
         UVA tensors' device side) as vLLM's sampler holds them."""
-        s = self.sampler
-        ss, pen, lpt = s.sampling_states, s.penalties_state, s.logprob_token_ids_state
-        lb, bw = s.logits_processors[0], s.logits_processors[2]
-        cols = {
-            "temperature": ss.temperature.np,
-            "top_k": ss.top_k.np,
-            "top_p": ss.top_p.np,
-            "min_p": ss.min_p.np,
-            "seeds": ss.seeds.np,
-            "seeds_set": ss.seeds_set,
-            "num_logprobs": ss.num_logprobs,
-            "needs_logits_processing": s.needs_logits_processing,
-            "may_mask_logits": s.may_mask_logits,
-            "repetition_penalty": pen.repetition_penalty.np,
-            "frequency_penalty": pen.frequency_penalty.np,
-            "presence_penalty": pen.presence_penalty.np,
-            "use_penalty": pen.use_penalty,
-            "num_token_ids": lpt.num_token_ids.np,
-            # the processors' per-row values (logit bias, allowed ids, min_tokens, bad words)
-            "num_allowed_token_ids": lb.num_allowed_token_ids.np,
-            "num_logit_bias": lb.num_logit_bias.np,
-            "min_lens": lb.min_lens.np,
-            "num_stop_token_ids": lb.num_stop_token_ids.np,
-            "restore_when_all_masked": lb.restore_when_all_masked.np,
-            "use_logit_bias": lb.use_logit_bias,
-            "num_bad_words": bw.num_bad_words.np,
-            # every UVA tensor's device side, as vLLM's kernels read it
-            "repetition_penalty.gpu": pen.repetition_penalty.gpu,
-            "frequency_penalty.gpu": pen.frequency_penalty.gpu,
-            "presence_penalty.gpu": pen.presence_penalty.gpu,
-            "num_allowed_token_ids.gpu": lb.num_allowed_token_ids.gpu,
-            "num_logit_bias.gpu": lb.num_logit_bias.gpu,
-            "min_lens.gpu": lb.min_lens.gpu,
-            "num_stop_token_ids.gpu": lb.num_stop_token_ids.gpu,
-            "restore_when_all_masked.gpu": lb.restore_when_all_masked.gpu,
-            "num_bad_words.gpu": bw.num_bad_words.gpu,
-            "num_token_ids.gpu": lpt.num_token_ids.gpu,
-            "temperature.gpu": ss.temperature.gpu,
-            "top_k.gpu": ss.top_k.gpu,
-            "top_p.gpu": ss.top_p.gpu,
-            "min_p.gpu": ss.min_p.gpu,
-            "seeds.gpu": ss.seeds.gpu,
-        }
-        cols = {k: (v.cpu().numpy() if hasattr(v, "cpu") else v) for k, v in cols.items()}
+        from mtpstate.integrations.vllm.shadow.columns import sampler_columns
+
+        cols = {}
+        for name, (host, dev) in sampler_columns(self.sampler).items():
+            cols[name] = host
+            if dev is not None:  # (as vLLM's kernels read it)
+                cols[f"{name}.gpu"] = dev.cpu().numpy()
         return {rid: {k: v[r].item() for k, v in cols.items()} for rid, r in self.req_states.req_id_to_index.items()}
 
     def state(self, device: bool = False) -> dict:

@@ -122,6 +122,9 @@ class Workload:
     abort: float = 0.02  # per step: abort one running or waiting request
     shared_prefix: float = 0.0  # fraction of prompts starting with a shared prefix
     unicode_ids: bool = False
+    # the n-th request's id made 70,000 bytes long: vLLM takes it, mtpstate
+    # refuses it (over RequestIndex's max_id_bytes); -1: none
+    long_request_id: int = -1
     prompt_embeds: float = 0.0  # fraction of requests sent as prompt embeddings (no prompt token ids)
     initial: int = 0  # requests added before the first step (a burst)
     # requests arriving after the burst: their own lengths (None: as above)

@@ -10,24 +10,7 @@ import dataclasses
 
 import numpy as np
 
-
-@dataclasses.dataclass
-class Disagreement:
-    """One value that differs: where (a request id, or None for the batch),
-    the field, vLLM's value and mtpstate's."""
-
-    req_id: str | None
-    field: str
-    vllm: object
-    mtpstate: object
-
-    def full(self) -> str:
-        where = "the batch" if self.req_id is None else f"request {self.req_id!r}"
-        return f"{where}, {self.field}: vLLM {self.vllm!r}, mtpstate {self.mtpstate!r}"
-
-    def __str__(self) -> str:
-        where = "" if self.req_id is None else f"{self.req_id!r}."
-        return f"{where}{self.field}: vLLM {str(self.vllm)[:60]} vs {str(self.mtpstate)[:60]}"
+from mtpstate.integrations.vllm.shadow.checks import Disagreement
 
 
 class Comparison:
@@ -231,50 +214,19 @@ def compare_answers(c: Comparison, s, answers, ib) -> None:
     the class's own (vLLM's) method on the same arrays, and the skip checks
     (processing, penalties, logit bias, bad words, thinking budget,
     temperature, min-p) against vLLM's numpy."""
-    from mtpstate._kernels import sampler as K
+    from mtpstate.integrations.vllm.shadow.columns import mtpstate_answers, vllm_answers
     from mtpstate.tools.vllm_bench.workloads import VOCAB
 
     idx, eim = ib.idx_mapping_np, ib.expanded_idx_mapping
     c.add(None, "sampler: answered for this batch", True, answers.idx is idx, answers.idx is idx)
     if answers.idx is not idx:
         return
-    ss, lpt = s.sampling_states, s.logprob_token_ids_state
-    cases = {
-        "get_logprobs_dims": (s, "get_logprobs_dims", (idx,)),
-        "any_greedy": (ss, "any_greedy", (idx,)),
-        "any_explicit_seed": (ss, "any_explicit_seed", (idx,)),
-        "max_num_logprobs": (ss, "max_num_logprobs", (idx,)),
-        "max_num_token_ids": (lpt, "max_num_token_ids", (idx,)),
-    }
+    ss = s.sampling_states
     for v in (VOCAB, VOCAB - 1, 50, 1):
-        cases[f"get_top_k_top_p(vocab={v})"] = (ss, "get_top_k_top_p", (eim, idx, v))
-    for name, (obj, meth, args) in cases.items():
-        a, b = _plain(getattr(type(obj), meth)(obj, *args)), _plain(getattr(obj, meth)(*args))
-        c.add(None, f"sampler.{name}", a, b, a == b)
-    lb, bw, tb = s.logits_processors[0], s.logits_processors[2], s.thinking_budget_state
-    t = ss.temperature.np[idx]
-    want = {
-        "needs_logits_processing": bool(np.any(s.needs_logits_processing[idx])),
-        "use_penalty": bool(np.any(s.penalties_state.use_penalty[idx])),
-        "use_logit_bias": bool(np.any(lb.use_logit_bias[idx])),
-        "use_thinking_budget": bool(tb.enabled and np.any(tb.use_thinking_budget[idx])),
-        "restore_when_all_masked": bool(np.any(lb.restore_when_all_masked.np[idx])),
-        "temperature": not np.all((t == 0.0) | (t == 1.0)),
-        "min_p": not np.all(ss.min_p.np[idx] == 0.0),
-        "max_num_bad_words": int(bw.num_bad_words.np[idx].max()),
-        "max_top_k": int(np.max(ss.top_k.np[idx])),
-    }
-    f = answers.flags
-    got = {
-        "needs_logits_processing": bool(f & K.SP_NEEDS_PROCESSING),
-        "use_penalty": bool(f & K.SP_USE_PENALTY),
-        "use_logit_bias": bool(f & K.SP_USE_LOGIT_BIAS),
-        "use_thinking_budget": bool(f & K.SP_USE_THINKING_BUDGET),
-        "restore_when_all_masked": bool(f & K.SP_RESTORE_WHEN_MASKED),
-        "temperature": bool(f & K.SP_TEMPERATURE),
-        "min_p": bool(f & K.SP_MIN_P),
-        "max_num_bad_words": answers.max_num_bad_words,
-        "max_top_k": answers.max_top_k,
-    }
+        args = (eim, idx, v)
+        a, b = _plain(type(ss).get_top_k_top_p(ss, *args)), _plain(ss.get_top_k_top_p(*args))
+        c.add(None, f"sampler.get_top_k_top_p(vocab={v})", a, b, a == b)
+    want, got = vllm_answers(s, idx), mtpstate_answers(s, answers, idx)
     for k, v in want.items():
-        c.add(None, f"sampler answer {k}", v, got[k], got[k] == v)
+        a, b = _plain(v), _plain(got[k])
+        c.add(None, f"sampler answer {k}", a, b, a == b)

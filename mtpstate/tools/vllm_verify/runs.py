@@ -191,3 +191,87 @@ def run_runner_differential(
         up = answers.writer.uploads
         res["sampler_uploads"] = None if up is None else up.uploads
     return res
+
+
+def _raising(scheduler_output):
+    raise RuntimeError("a fault of the shadow's own (injected)")
+
+
+def _digest(ref, batch, ib) -> str:
+    """Everything vLLM's runner holds and hands out after a step, as one
+    hash: its state (host and device), the batch, every InputBatch field,
+    the sampler's values and numpy's global RNG state (from which vLLM draws
+    seeds)."""
+    import dataclasses
+    import hashlib
+
+    import torch
+
+    def plain(v):
+        if isinstance(v, torch.Tensor):
+            v = v.cpu().numpy()
+        if isinstance(v, np.ndarray):
+            return (str(v.dtype), v.shape, v.tobytes())
+        return v
+
+    parts = [ref.state(device=True), ref.sampler_state() if ref.sampler is not None else None]
+    parts.append({k: plain(v) for k, v in batch._asdict().items()})  # (a NamedTuple)
+    inputs = {f.name: plain(getattr(ib, f.name)) for f in dataclasses.fields(ib)}
+    # (an empty tensor that vLLM's kernel fills: a no-op on the CPU shims)
+    inputs["logits_indices"] = inputs["logits_indices"][:2]
+    parts.append(inputs)
+    state = np.random.get_state()
+    parts.append((state[0], state[1].tobytes(), state[2:]))
+    return hashlib.sha256(pickle.dumps(parts)).hexdigest()
+
+
+def run_shadow(
+    w: Workload, model_dir: str, shadowed: bool, every: int | None = None, ops=None, fault_at: int | None = None
+) -> dict:
+    """vLLM's own runner methods driven through ``w`` (every other step
+    padded as for a full CUDA graph), with shadow mode observing them
+    (``shadowed``; :func:`mtpstate.tools.vllm_bench.reference.load_plugin`
+    ``(mode="shadow")`` first) or not. Returns one hash per step of all
+    that vLLM's runner holds and hands out (:func:`_digest`), and with the
+    shadow its report and the step each device check ran at. ``every``:
+    ``MTPSTATE_SHADOW_EVERY`` for this run; ``ops``: the shadow mirror's
+    device operations (a ``DeferredOps``); ``fault_at``: the shadow raises
+    an exception of its own in that step (a bug of the shadow's, modelled)."""
+    import os
+
+    from mtpstate.integrations.vllm import shadow
+
+    drv = Driver(w, model_dir)
+    args = (w.max_num_seqs, w.max_model_len, w.max_num_batched_tokens, drv.block_sizes, w.num_spec)
+    saved = os.environ.get(shadow.EVERY_VAR)
+    if every is not None:
+        os.environ[shadow.EVERY_VAR] = str(every)
+    if shadowed:
+        import vllm.v1.worker.gpu.model_runner as runner_module
+
+        shadow.install(runner_module, dict(shadow._METHODS), ops=ops)
+    try:
+        ref = MRV2Reference(*args, sampler=True, shadowed=shadowed)
+        digests = []
+        for step, so in enumerate(drv.steps()):
+            if step == fault_at and shadowed:
+                sh = shadow.shadow_of(ref)
+                if sh is not None:
+                    sh.after_update = _raising
+            np.random.seed(step)
+            ref.apply(so)
+            vb = ref.gather(so)
+            pad = None if step % 2 else (min(len(vb.req_ids) + 3, ref.max_num_reqs), vb.num_tokens + 5)
+            ib = ref.prepare(so, vb, pad)
+            digests.append(_digest(ref, vb, ib))
+    finally:
+        if every is not None:
+            if saved is None:
+                os.environ.pop(shadow.EVERY_VAR, None)
+            else:
+                os.environ[shadow.EVERY_VAR] = saved
+    out = {"workload": w.name, "steps": len(digests), "digests": digests}
+    if shadowed:
+        sh = ref.__dict__.get("_mtpstate_shadow")
+        out["shadow"] = None if sh is None else sh.report()
+    return out
