@@ -228,6 +228,34 @@ def runner_summary() -> str:
     return "\n".join(out)
 
 
+def shadow_table() -> str:
+    """Shadow mode's host cost per step, per workload kind and N, from the
+    runner level of ``mtpstate bench-vllm`` (its ``shadow`` entry)."""
+    m, res = _load("bench-vllm-runner.json")
+    by = {r["workload"]: r for r in res}
+    every = next((r["shadow"]["every"] for r in res if r.get("shadow")), None)
+    out = [
+        machine_line(m),
+        "",
+        "| workload | N | vLLM's host step, us | shadow: median / mean / p90, us "
+        f"| shadow, a step with a device check (every {every}), us "
+        "| vLLM + shadow over vLLM: paired median (p10-p90) |",
+        "|---|---:|---:|---:|---:|---:|",
+    ]
+    for kind in KINDS:
+        for n in sorted(_n(w) for w in by if w.startswith(kind + "-")):
+            sh = by[f"{kind}-{n}"].get("shadow")
+            if sh is None:
+                continue
+            out.append(
+                f"| {kind} | {n} | {sh['vllm_median_us']:.0f} | {sh['shadow_median_us']:.0f} / "
+                f"{sh['shadow_mean_us']:.0f} / {sh['shadow_p90_us']:.0f} | {_opt(sh['shadow_device_check_median_us'])} "
+                f"| **{_x(sh['overhead_paired_median'])}** ({sh['overhead_paired_p10']:.2f}-"
+                f"{sh['overhead_paired_p90']:.2f}) |"
+            )
+    return "\n".join(out)
+
+
 def headline() -> str:
     """README: one row per N, each level's paired-median speedup."""
     cpu = json.load(open(os.path.join(DOCS, "bench-cpu.json")))["results"]
@@ -396,6 +424,7 @@ REGIONS = {
     "bookkeeping": bookkeeping_table,
     "runner-summary": runner_summary,
     "runner": runner_table,
+    "shadow": shadow_table,
     "before-after": before_after,
     "breakdown": breakdown_table,
     "phases": phases_table,
