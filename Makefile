@@ -8,11 +8,13 @@ STAMP := $(VENV)/.installed
 
 .PHONY: test test-slow test-nojit test-min test-vllm bench bench-suite bench-vllm gpu-check lint clean
 
-# vLLM 0.34.0 tier: its unpacked sdist (nothing built) + its pure-Python deps;
-# a .pth puts the source on the venv's path, so `import vllm` works there as
-# installed (PYTHONPATH still comes first: the patched copy for vLLM's tests)
+# vLLM tier, for each supported release (mtpstate/integrations/vllm/releases/):
+# its unpacked sdist (nothing built) + the pure-Python deps of them all; a
+# .pth puts the newest source on the venv's path, so `import vllm` works there
+# as installed (PYTHONPATH comes first: each release's tier sets it)
+VLLM_RELEASES := 0.34.0 0.33.0
 VLLM_DIR := .vllm
-VLLM_SRC := $(VLLM_DIR)/vllm-0.34.0
+VLLM_SRC := $(VLLM_DIR)/vllm-$(firstword $(VLLM_RELEASES))
 VVENV := .venv-vllm
 VPY := $(VVENV)/bin/python
 VSTAMP := $(VVENV)/.installed
@@ -59,30 +61,44 @@ $(VSTAMP): pyproject.toml vllm_proof/requirements.txt
 	$(VPY) -m pip install -q --upgrade pip
 	$(VPY) -m pip install -q --only-binary :all: -r vllm_proof/requirements.txt
 	$(VPY) -m pip install -q -e '.[dev]'
-	$(VPY) vllm_proof/fetch_vllm.py $(VLLM_DIR)
+	$(VPY) vllm_proof/fetch_vllm.py $(VLLM_DIR) $(VLLM_RELEASES)
 	$(VPY) -c "import sysconfig; open(sysconfig.get_paths()['purelib'] + '/vllm-src.pth', 'w').write('$(CURDIR)/$(VLLM_SRC)\n')"
 	touch $(VSTAMP)
 
-# the patch the plugin applies in memory (mtpstate/integrations/vllm/mrv2.patch),
-# applied to a copy of the source tree: the upstream-PR form, for vLLM's own tests
-PATCH := mtpstate/integrations/vllm/mrv2.patch
-$(VLLM_PATCHED)/.patched: $(VSTAMP) $(PATCH)
-	rm -rf $(VLLM_PATCHED)
-	cp -r $(VLLM_SRC) $(VLLM_PATCHED)
-	patch -p1 --quiet -d $(VLLM_PATCHED) < $(PATCH)
+# each release's patch (the one the plugin applies in memory), applied to a
+# copy of its source tree: the upstream-PR form, for vLLM's own tests
+patch_of = mtpstate/integrations/vllm/releases/v$(subst .,_,$(1))/mrv2.patch
+PATCHED_STAMPS := $(foreach r,$(VLLM_RELEASES),$(VLLM_DIR)/vllm-$(r)-mtpstate/.patched)
+$(VLLM_DIR)/vllm-%-mtpstate/.patched: $(VSTAMP) $(wildcard mtpstate/integrations/vllm/releases/*/mrv2.patch)
+	rm -rf $(VLLM_DIR)/vllm-$*-mtpstate
+	cp -r $(VLLM_DIR)/vllm-$* $(VLLM_DIR)/vllm-$*-mtpstate
+	patch -p1 --quiet -d $(VLLM_DIR)/vllm-$*-mtpstate < $(call patch_of,$*)
 	touch $@
 
-# 1. vLLM's own worker / Model Runner V2 tests: without mtpstate, with the
-#    plugin, with the patch (the same tests must pass); 2. the differentials
-#    (bare table; the runner through the plugin) and the plugin's guard
-test-vllm: $(VSTAMP) $(VLLM_PATCHED)/.patched
-	$(VPY) vllm_proof/vllm_own_tests.py $(VLLM_SRC) $(VLLM_PATCHED)
-	MTPSTATE_VLLM_PATCHED=$(CURDIR)/$(VLLM_PATCHED) $(VRUN) $(VPY) -m pytest -q -p no:cacheprovider vllm_proof
+# per release: 1. vLLM's own worker / Model Runner V2 tests: without mtpstate,
+#    with the plugin, with the patch, in shadow mode (the same tests must
+#    pass); 2. the differentials (bare table; the runner through the plugin),
+#    vllm-verify, shadow mode and the plugin's guard. Each release's time is printed.
+test-vllm: $(VSTAMP) $(PATCHED_STAMPS)
+	@for r in $(VLLM_RELEASES); do \
+	  start=$$(date +%s); echo "== vLLM $$r"; \
+	  $(VPY) vllm_proof/vllm_own_tests.py $(VLLM_DIR)/vllm-$$r $(VLLM_DIR)/vllm-$$r-mtpstate || exit 1; \
+	  MTPSTATE_VLLM_PATCHED=$(CURDIR)/$(VLLM_DIR)/vllm-$$r-mtpstate PYTHONPATH=$(CURDIR)/$(VLLM_DIR)/vllm-$$r \
+	    VLLM_LOGGING_LEVEL=ERROR $(VPY) -m pytest -q -p no:cacheprovider vllm_proof || exit 1; \
+	  echo "== vLLM $$r: tier passed in $$(( $$(date +%s) - start )) s"; \
+	done
 
-# mtpstate bench-vllm in the venv: the bookkeeping, then the runner's host step
+# mtpstate bench-vllm in the venv: the bookkeeping, then the runner's host
+# step, on the newest release; then the runner's host step on every release
+# back to back (N = 1, 256, 4096), for the per-release comparison in
+# docs/benchmarks.md
 bench-vllm: $(VSTAMP)
 	$(VRUN) $(VVENV)/bin/mtpstate bench-vllm --level bookkeeping --json docs/bench-vllm.json
 	$(VRUN) $(VVENV)/bin/mtpstate bench-vllm --level runner --json docs/bench-vllm-runner.json
+	@for r in $(VLLM_RELEASES); do \
+	  PYTHONPATH=$(CURDIR)/$(VLLM_DIR)/vllm-$$r VLLM_LOGGING_LEVEL=ERROR $(VVENV)/bin/mtpstate bench-vllm \
+	    --level runner --sizes 1,256,4096 --json docs/bench-vllm-runner-$$r.json || exit 1; \
+	done
 
 # on a CUDA machine with torch, numba, pytest(-benchmark), hypothesis installed
 # (no network, no venv): cuda tests, ring-reuse stress, mirror bench; files

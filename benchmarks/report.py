@@ -256,6 +256,57 @@ def shadow_table() -> str:
     return "\n".join(out)
 
 
+def _release_runs() -> list[tuple[str, dict, list[dict]]]:
+    """(vLLM release, machine, runner results) of each committed
+    ``bench-vllm-runner-RELEASE.json`` (one per supported release, run back
+    to back by ``make bench-vllm``), newest first."""
+    runs = []
+    for name in os.listdir(DOCS):
+        if name.startswith("bench-vllm-runner-") and name.endswith(".json"):
+            m, res = _load(name)
+            runs.append((name[len("bench-vllm-runner-") : -len(".json")], m, res))
+    return sorted(runs, key=lambda r: tuple(int(x) for x in r[0].split(".")), reverse=True)
+
+
+def releases_table() -> str:
+    """The runner's host step, with vLLM's Sampler, on each supported vLLM
+    release, side by side at the N every run measured."""
+    runs = _release_runs()
+    sizes = sorted(set.intersection(*({_n(r["workload"]) for r in res} for _, _, res in runs)))
+    out = [line for _, m, _ in runs for line in (machine_line(m), "")]
+    head = ["workload", "N"]
+    for release, _, _ in runs:
+        head += [f"vLLM {release}: off vs on, us", "speedup (paired median, p10-p90)"]
+    out.append("| " + " | ".join(head) + " |")
+    out.append("|---|---:|" + "---:|---:|" * len(runs))
+    for kind in KINDS:
+        for n in sizes:
+            cells = [kind, str(n)]
+            for _, _, res in runs:
+                r = next((x for x in res if x["workload"] == f"{kind}-{n}"), None)
+                if r is None:
+                    cells += ["-", "-"]
+                    continue
+                cells.append(f"{r['vllm_median_us']:.0f} vs {r['mtpstate_median_us']:.0f}")
+                cells.append(f"**{_x(r['paired_median'])}** ({r['paired_p10']:.2f}-{r['paired_p90']:.2f})")
+            out.append("| " + " | ".join(cells) + " |")
+    # each release's paired median against the newest one's spread, row by row
+    newest = {r["workload"]: r for r in runs[0][2]}
+    for release, _, res in runs[1:]:
+        rows = [(r, newest[r["workload"]]) for r in res if r["workload"] in newest]
+        inside = sum(
+            a["paired_p10"] <= b["paired_median"] <= a["paired_p90"]
+            and b["paired_p10"] <= a["paired_median"] <= b["paired_p90"]
+            for a, b in rows
+        )
+        out.append("")
+        out.append(
+            f"vLLM {release} against {runs[0][0]}: in {inside} of {len(rows)} rows each release's paired median "
+            "lies within the other's p10-p90 spread."
+        )
+    return "\n".join(out)
+
+
 def headline() -> str:
     """README: one row per N, each level's paired-median speedup."""
     cpu = json.load(open(os.path.join(DOCS, "bench-cpu.json")))["results"]
@@ -425,6 +476,7 @@ REGIONS = {
     "runner-summary": runner_summary,
     "runner": runner_table,
     "shadow": shadow_table,
+    "releases": releases_table,
     "before-after": before_after,
     "breakdown": breakdown_table,
     "phases": phases_table,

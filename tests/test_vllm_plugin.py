@@ -77,7 +77,7 @@ def fake_vllm(tmp_path, monkeypatch):
     monkeypatch.setattr(plugin, "SUPPORTED", {"9.9.9": {"GPUModelRunner.add_requests": fp}})
     computed = _source.function_fingerprints(COMPUTED, ["expand"])
     monkeypatch.setattr(plugin, "COMPUTED", {"9.9.9": {"vllm.v1.worker.gpu.input_batch": computed}})
-    monkeypatch.setattr(plugin, "_patch_text", lambda: PATCH)
+    monkeypatch.setattr(plugin, "_patch_text", lambda release: PATCH)
     monkeypatch.syspath_prepend(str(tmp_path))
     for name in [m for m in sys.modules if m == "vllm" or m.startswith("vllm.")]:
         monkeypatch.delitem(sys.modules, name)

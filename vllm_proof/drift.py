@@ -23,8 +23,7 @@ import subprocess
 import sys
 
 from mtpstate.integrations.vllm import plugin
-
-PATCH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "mtpstate", "integrations", "vllm", "mrv2.patch")
+from mtpstate.integrations.vllm.releases import RELEASES
 
 
 def tree_version(src: str) -> str | None:
@@ -47,8 +46,10 @@ def read_module(src: str):
     return read
 
 
-def patch_applies(src: str) -> tuple[bool, str]:
-    p = subprocess.run(["patch", "-p1", "--dry-run", "-d", src, "-i", PATCH], capture_output=True, text=True)
+def patch_applies(src: str, release: str) -> tuple[bool, str]:
+    """Whether ``release``'s patch applies to the tree ``src`` (a dry run)."""
+    patch = RELEASES[release].patch_path
+    p = subprocess.run(["patch", "-p1", "--dry-run", "-d", src, "-i", patch], capture_output=True, text=True)
     return p.returncode == 0, (p.stdout + p.stderr).strip()
 
 
@@ -64,7 +65,7 @@ def main(argv=None) -> int:
     version = tree_version(args.src)
     release = args.release or plugin.nearest_release(version)
     verdicts = plugin.drift(read_module(args.src), release)
-    applies, patch_text = patch_applies(args.src)
+    applies, patch_text = patch_applies(args.src, release)
     drifted = {k: v for k, v in verdicts.items() if v != "ok"}
     print(f"vLLM {version} at {args.src}, against mtpstate's support of vLLM {release}:")
     for name, verdict in verdicts.items():

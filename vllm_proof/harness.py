@@ -1,4 +1,5 @@
-"""The vLLM tier's command line: mtpstate against vLLM 0.34.0's own code, on CPU.
+"""The vLLM tier's command line: mtpstate against a supported vLLM release's own code
+(the one on PYTHONPATH), on CPU.
 
 vLLM's real ``Scheduler`` / ``AsyncScheduler`` (batch queue depth 2, as the
 engine core runs it) is driven by a fake model

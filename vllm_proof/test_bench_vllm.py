@@ -1,8 +1,9 @@
 """`make test-vllm`, ``mtpstate bench-vllm`` as a user runs it: the venv's
-own ``mtpstate`` command, from a directory outside the repository, with no
-PYTHONPATH (vLLM found as installed, through the venv's .pth), on the vLLM
-0.34.0 beside it. Its JSON must hold both levels of every workload, paired
-ratios and the device and shim fields; what it cannot run is refused."""
+own ``mtpstate`` command, from a directory outside the repository, on the
+tier's vLLM release (the newest: with no PYTHONPATH, vLLM found as installed,
+through the venv's .pth; an older one: on the tier's PYTHONPATH). Its JSON
+must hold both levels of every workload, paired ratios and the device and
+shim fields; what it cannot run is refused."""
 
 import json
 import math
@@ -12,15 +13,21 @@ import sys
 
 import pytest
 
+from mtpstate.integrations.vllm import plugin
 from mtpstate.tools import bench_vllm
 from mtpstate.tools.vllm_bench.workloads import BENCH_KINDS
 
 MTPSTATE = os.path.join(os.path.dirname(sys.executable), "mtpstate")
 
 
+RELEASE = plugin.installed_release()  # the tier's
+# the release the venv's .pth puts on the path: found as installed
+AS_INSTALLED = RELEASE == max(plugin.SUPPORTED, key=plugin._version_key)
+
+
 def _user_env():
-    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VLLM_USE_MTPSTATE")}
-    return env
+    drop = ("PYTHONPATH", "VLLM_USE_MTPSTATE") if AS_INSTALLED else ("VLLM_USE_MTPSTATE",)
+    return {k: v for k, v in os.environ.items() if k not in drop}
 
 
 def _bench_vllm(cwd, *args, timeout=600):
@@ -42,8 +49,8 @@ def test_quick_json_has_both_levels_of_every_workload(quick):
     p, doc = quick
     assert doc["device"] == "cpu" and doc["quick"] is True
     assert doc["shims"] == list(bench_vllm.CPU_SHIMS) and doc["note"] == bench_vllm.CPU_NOTE
-    assert doc["vllm"]["version"] == "0.34.0" and os.path.isfile(os.path.join(doc["vllm"]["path"], "version.py"))
-    assert "PYTHONPATH" not in _user_env()  # found as installed, not through the tier's path
+    assert doc["vllm"]["version"] == RELEASE and os.path.isfile(os.path.join(doc["vllm"]["path"], "version.py"))
+    assert ("PYTHONPATH" not in _user_env()) == AS_INSTALLED
     got = {(r["level"], r["workload"]) for r in doc["results"]}
     want = {(lv, f"{k}-{n}") for lv in bench_vllm.LEVELS for k in BENCH_KINDS for n in bench_vllm.QUICK_SIZES}
     assert got == want and len(doc["results"]) == len(want)
@@ -66,7 +73,7 @@ def test_quick_json_has_both_levels_of_every_workload(quick):
 def test_quick_report_names_what_it_measures(quick):
     p, doc = quick
     lines = p.stdout.splitlines()
-    assert lines[0].startswith("mtpstate ") and "vLLM 0.34.0" in lines[0] and doc["vllm"]["path"] in lines[0]
+    assert lines[0].startswith("mtpstate ") and f"vLLM {RELEASE}" in lines[0] and doc["vllm"]["path"] in lines[0]
     assert "device: cpu" in lines[1]
     for shim in bench_vllm.CPU_SHIMS:
         assert f"  - {shim}" in lines

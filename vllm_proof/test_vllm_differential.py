@@ -1,4 +1,4 @@
-"""`make test-vllm`: mtpstate against vLLM 0.34.0's real scheduler and real
+"""`make test-vllm`: mtpstate against the tier's vLLM release's real scheduler and real
 Model Runner V2 state code (mtpstate.tools.vllm_verify.runs), and StepResult.batch against
 its real gather_batch_req_state. Several thousand real steps, 0
 disagreements; the legacy table (increments num_computed_tokens) must

@@ -1,4 +1,4 @@
-"""`make test-vllm`, the plugin's guard on vLLM 0.34.0's real source: the
+"""`make test-vllm`, the plugin's guard on the tier's vLLM release's real source: the
 fingerprint table matches the patch and the release; any drift (a changed
 method, another version, a method replaced at run time, a patch that does not
 apply) changes nothing and says so in one WARNING; without the variable the
@@ -21,6 +21,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 SRC = os.environ["PYTHONPATH"].split(os.pathsep)[0]
 RUNNER_FILE = os.path.join(SRC, "vllm", "v1", "worker", "gpu", "model_runner.py")
 PATCHED = os.environ.get("MTPSTATE_VLLM_PATCHED")
+RELEASE = plugin.installed_release()  # the tier's release (its source is SRC)
 
 
 @pytest.fixture(scope="module")
@@ -44,19 +45,19 @@ def test_fingerprints_are_the_patch_against_the_release():
     change = _source.plan(
         plugin.RUNNER_MODULE,
         _read(RUNNER_FILE),
-        _source.split_diff(plugin._patch_text())["vllm/v1/worker/gpu/model_runner.py"],
+        _source.split_diff(plugin._patch_text(RELEASE))["vllm/v1/worker/gpu/model_runner.py"],
     )
     table = {f"{c}.{m}": fp for (c, m), fp in change.originals.items()}
-    assert table == plugin.SUPPORTED["0.34.0"]
+    assert table == plugin.SUPPORTED[RELEASE]
 
 
 def test_guard_passes_on_the_release(runner_module):
     v = plugin.check(runner_module)
     assert v.ok and not v.applied, v.problems
-    assert v.vllm_version == "0.34.0"
-    assert set(v.methods) == set(plugin.SUPPORTED["0.34.0"]) and all(m == "ok" for m in v.methods.values())
+    assert v.vllm_version == RELEASE
+    assert set(v.methods) == set(plugin.SUPPORTED[RELEASE]) and all(m == "ok" for m in v.methods.values())
     # the functions mtpstate computes in vLLM's place are the release's
-    want = {f"{mod.rsplit('.', 1)[1]}.{f}" for mod, fs in plugin.COMPUTED["0.34.0"].items() for f in fs}
+    want = {f"{mod.rsplit('.', 1)[1]}.{f}" for mod, fs in plugin.COMPUTED[RELEASE].items() for f in fs}
     assert want and v.computed == dict.fromkeys(want, "ok"), v.computed
 
 
@@ -171,7 +172,7 @@ def test_disabled_changes_nothing(runner_module):
 def test_enabled_applies_once_on_first_import(runner_module):
     p = _run(_LOAD, env_on=True)
     result = _lines(p, "RESULT")
-    names = sorted(k.split(".")[1] for k in plugin.SUPPORTED["0.34.0"])
+    names = sorted(k.split(".")[1] for k in plugin.SUPPORTED[RELEASE])
     # one import hook; the runner module patched when first imported; loading
     # again patched nothing more (no patched method wraps another)
     assert result == f"RESULT 1 True {names} 0 True"
@@ -191,10 +192,10 @@ def test_vllm_check(env, rc, needle):
     full = dict(os.environ, **env)
     p = subprocess.run([sys.executable, "-m", "mtpstate", "vllm-check"], capture_output=True, text=True, env=full)
     assert p.returncode == rc and "Traceback" not in p.stderr, p.stdout + p.stderr[-2000:]
-    assert needle in p.stdout and "vLLM: 0.34.0, supported" in p.stdout
-    assert p.stdout.count("guard: GPUModelRunner.") == len(plugin.SUPPORTED["0.34.0"])
+    assert needle in p.stdout and f"vLLM: {RELEASE}, supported" in p.stdout
+    assert p.stdout.count("guard: GPUModelRunner.") == len(plugin.SUPPORTED[RELEASE])
     assert p.stdout.count("guard (computed by mtpstate): input_batch.") == 2
-    n_sampler = sum(len(v) for v in plugin.SAMPLER_COMPUTED["0.34.0"].values())
+    n_sampler = sum(len(v) for v in plugin.SAMPLER_COMPUTED[RELEASE].values())
     assert p.stdout.count("guard (sampler, answered by mtpstate): ") == n_sampler
     sampler_lines = [ln for ln in p.stdout.splitlines() if ln.startswith("guard (sampler")]
     assert all(ln.endswith(": ok") for ln in sampler_lines), sampler_lines
@@ -245,7 +246,7 @@ _SAMPLER = (
     load_plugin()
     from mtpstate.integrations.vllm import plugin
     if {drift!r}:
-        table = plugin.SAMPLER_COMPUTED["0.34.0"]["vllm.v1.worker.gpu.sample.states"]
+        table = plugin.SAMPLER_COMPUTED[plugin.installed_release()]["vllm.v1.worker.gpu.sample.states"]
         table["SamplingStates.any_greedy"] = "0000000000000000"
     print("BAD", sorted(k for k, m in plugin.check_sampler(refresh=True).items() if m != "ok"))
     r = MRV2Reference(8, 256, 64, [16], 1, use_mtpstate=True, sampler=True)

@@ -1,4 +1,4 @@
-"""`make test-vllm`, the runner: vLLM 0.34.0's unpatched source with mtpstate
+"""`make test-vllm`, the runner: the tier's vLLM release's unpatched source with mtpstate
 applied by its plugin, through vLLM's own ``load_general_plugins()``. The
 runner's own finish/add/update_requests, gather_batch_req_state and
 prepare_inputs with mtpstate on must agree with vLLM's own methods on every
@@ -60,6 +60,9 @@ def test_runner_on_a_deferred_device_one_replay_per_step():
 
 def test_patch_applies_to_pristine_source():
     src = os.environ["PYTHONPATH"].split(os.pathsep)[0]
-    patch = os.path.join(HERE, "..", "mtpstate", "integrations", "vllm", "mrv2.patch")
+    from mtpstate.integrations.vllm import plugin
+    from mtpstate.integrations.vllm.releases import RELEASES
+
+    patch = RELEASES[plugin.installed_release()].patch_path
     p = subprocess.run(["patch", "-p1", "--dry-run", "-d", src, "-i", patch], capture_output=True, text=True)
     assert p.returncode == 0, p.stdout + p.stderr

@@ -1,4 +1,4 @@
-"""vLLM 0.34.0's own unit tests for the worker and Model Runner V2, run on CPU
+"""A vLLM release's own unit tests for the worker and Model Runner V2, run on CPU
 four ways; exactly the tests that pass without mtpstate must pass with it.
 
 1. vLLM's unpatched source (the baseline);
@@ -64,8 +64,8 @@ def counts(outcome: dict[str, str]) -> dict[str, int]:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("src", help="vLLM 0.34.0's unpacked sdist (source and tests)")
-    ap.add_argument("patched", help="the same tree with mrv2.patch applied")
+    ap.add_argument("src", help="a supported vLLM release's unpacked sdist (source and tests)")
+    ap.add_argument("patched", help="the same tree with that release's mrv2.patch applied")
     ap.add_argument("--json", metavar="FILE")
     args = ap.parse_args(argv)
     src, patched = os.path.abspath(args.src), os.path.abspath(args.patched)

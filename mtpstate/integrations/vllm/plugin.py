@@ -35,9 +35,9 @@ import os
 import sys
 import threading
 from dataclasses import dataclass, field
-from importlib import resources
 
 from mtpstate.integrations.vllm import _source
+from mtpstate.integrations.vllm.releases import RELEASES
 
 __all__ = [
     "COMPUTED",
@@ -51,6 +51,7 @@ __all__ = [
     "definitions",
     "drift",
     "enabled",
+    "installed_release",
     "mode",
     "nearest_release",
     "register",
@@ -59,93 +60,18 @@ __all__ = [
 ENV_VAR = "VLLM_USE_MTPSTATE"
 RUNNER_MODULE = "vllm.v1.worker.gpu.model_runner"
 
-# vLLM releases the patch was written against, and per release the
-# fingerprint of every definition it changes (mtpstate.integrations.vllm._source.fingerprint
-# of the original method's source). `make test-vllm` checks this table
-# against the patch and the release's source.
-SUPPORTED: dict[str, dict[str, str]] = {
-    "0.34.0": {
-        "GPUModelRunner.initialize_kv_cache": "1448e2e7ef215ad1",
-        "GPUModelRunner.finish_requests": "9d233fb3ba26819b",
-        "GPUModelRunner.add_requests": "a4722eb66b8dc9e4",
-        "GPUModelRunner.update_requests": "c00d9f68aa56f3f8",
-        "GPUModelRunner.gather_batch_req_state": "7cdfd392a83f5d45",
-        "GPUModelRunner.prepare_inputs": "b6bf942b2ea1af3d",
-    },
-}
-
-# per release, the vLLM functions whose results mtpstate computes in their
-# place (the patched runner calls them only where mtpstate does not):
-# module -> function -> fingerprint of its source. A changed one refuses the
-# patch as a changed method does.
-COMPUTED: dict[str, dict[str, dict[str, str]]] = {
-    "0.34.0": {
-        "vllm.v1.worker.gpu.input_batch": {
-            "expand_idx_mapping": "3ecf689a9f7c8516",
-            "_expand_idx_mapping_kernel": "d86019216156350d",
-        },
-    },
-}
-
-# per release, the vLLM sampler methods whose answers mtpstate computes for
-# the step's batch and whose per-request writes it makes for new requests
-# (mtpstate.integrations.vllm.sampler replaces them on the sampler's objects,
-# keeps Sampler.apply_sampling_params' and LogitBiasState.apply's bodies, and writes what the add_request
-# methods write):
-# module -> Class.method -> fingerprint of its source. A changed one leaves
-# the sampler to vLLM alone (the rest of the integration still applies).
-SAMPLER_COMPUTED: dict[str, dict[str, dict[str, str]]] = {
-    "0.34.0": {
-        "vllm.v1.worker.gpu.sample.sampler": {
-            "Sampler.add_request": "ae3019624cf50ab2",
-            "Sampler.get_logprobs_dims": "0e2a4743b51029ba",
-            "Sampler.apply_sampling_params": "da3036b9f32e1a05",
-            "Sampler.apply_staged_writes": "fefa37610bd91f77",
-        },
-        "vllm.v1.worker.gpu.sample.states": {
-            "SamplingStates.add_request": "ee0f73b7845ab635",
-            "SamplingStates.masks_logits": "8674ee08b358696e",
-            "SamplingStates.any_greedy": "ff73c193006f6bc4",
-            "SamplingStates.any_explicit_seed": "c4c1cb53d4df49a8",
-            "SamplingStates.max_num_logprobs": "9259cc196828617f",
-            "SamplingStates.get_top_k_top_p": "74c1383cd7f7bf4c",
-            "SamplingStates.apply_top_k_top_p": "e48fa814d6938bb2",
-            "SamplingStates.apply_temperature": "8182128a15189f56",
-            "SamplingStates.apply_min_p": "23a7363247153f91",
-        },
-        "vllm.v1.worker.gpu.sample.penalties": {
-            "PenaltiesState.add_request": "ded8a7060d05840d",
-            "PenaltiesState.apply_staged_writes": "62f79bef3f1c1ca5",
-            "PenaltiesState.apply": "419fda3540d4bbbc",
-            "use_penalty": "ff3dc93dee445b03",
-        },
-        "vllm.v1.worker.gpu.sample.logit_bias": {
-            "LogitBiasState.add_request": "748feaeadd4f762e",
-            "LogitBiasState.apply": "976be2db6504afbe",
-        },
-        "vllm.v1.worker.gpu.sample.bad_words": {
-            "BadWordsState.add_request": "4cef0a4ce358ecc3",
-            "BadWordsState.apply": "6fec53b3c676f600",
-        },
-        "vllm.v1.worker.gpu.sample.thinking_budget": {
-            "ThinkingBudgetState.add_request": "0cd18729b20c4194",
-            "ThinkingBudgetState.apply": "f2054103012fc1d2",
-        },
-        "vllm.v1.worker.gpu.sample.logprob": {
-            "LogprobTokenIdsState.add_request": "2fa93c33c57286e7",
-            "LogprobTokenIdsState.max_num_token_ids": "db603214bd05ea8d",
-        },
-        # (read as its field _bad_words_token_ids, which it returns)
-        "vllm.sampling_params": {"SamplingParams.bad_words_token_ids": "743c21e622d4fd8a"},
-        # the UVA pools whose slots the written rows are uploaded into
-        "vllm.v1.worker.gpu.buffer_utils": {
-            "UvaBackedTensor.__init__": "dd7a373319a883c3",
-            "UvaBackedTensor.copy_to_uva": "b216fe950776b18c",
-            "UvaBufferPool._next_buf": "c013dc1874f16bc4",
-            "UvaBufferPool.copy_to_uva": "d23daac4f9032095",
-        },
-    },
-}
+# per supported release (mtpstate.integrations.vllm.releases: one folder each,
+# with its patch): the fingerprint of every definition the patch changes
+# (SUPPORTED: Class.method -> fingerprint), of the vLLM functions whose results
+# mtpstate computes in their place (COMPUTED: module -> function ->
+# fingerprint; a changed one refuses the patch as a changed method does), and
+# of the sampler methods mtpstate answers, writes for, or keeps the bodies of
+# (SAMPLER_COMPUTED; a changed one leaves the sampler to vLLM alone, the rest
+# of the integration still applies). `make test-vllm` checks them against
+# each release's source and patch.
+SUPPORTED: dict[str, dict[str, str]] = {v: dict(r.runner) for v, r in RELEASES.items()}
+COMPUTED: dict[str, dict[str, dict[str, str]]] = {v: dict(r.computed) for v, r in RELEASES.items()}
+SAMPLER_COMPUTED: dict[str, dict[str, dict[str, str]]] = {v: dict(r.sampler) for v, r in RELEASES.items()}
 
 
 def definitions(release: str) -> dict[str, dict[str, str]]:
@@ -248,8 +174,17 @@ class Verdict:
         return not self.problems
 
 
-def _patch_text() -> str:
-    return resources.files(__package__).joinpath("mrv2.patch").read_text()
+def _patch_text(release: str) -> str:
+    """The patch for supported ``release`` (its folder's ``mrv2.patch``)."""
+    return RELEASES[release].patch_text()
+
+
+def installed_release() -> str | None:
+    """The supported release (a key of :data:`SUPPORTED`) of the vLLM in this
+    environment; None: no vLLM, or one mtpstate does not support."""
+    version = _version()
+    release = None if version is None else version.split("+")[0]
+    return release if release in SUPPORTED else None
 
 
 def _version() -> str | None:
@@ -273,13 +208,13 @@ def check(module=None) -> Verdict:
         v.problems.append("vLLM is not importable in this environment")
         return v
     release = v.vllm_version.split("+")[0]
-    expected = SUPPORTED.get(release)
-    if expected is None:
+    if release not in SUPPORTED:
         v.problems.append(
             f"vLLM {v.vllm_version} is not a supported version (supported: {', '.join(SUPPORTED)}); "
             "upgrade mtpstate, or install a supported vLLM"
         )
-        expected = SUPPORTED[max(SUPPORTED)]
+        release = nearest_release(release)  # (what differs from it is reported below)
+    expected = SUPPORTED[release]
     if module is None:
         try:
             module = importlib.import_module(RUNNER_MODULE)
@@ -318,7 +253,7 @@ def check(module=None) -> Verdict:
         else:
             v.methods[key] = "ok"
     if not v.applied:
-        diff = _source.split_diff(_patch_text())
+        diff = _source.split_diff(_patch_text(release))
         try:
             v.change = _source.plan(RUNNER_MODULE, text, diff["vllm/v1/worker/gpu/model_runner.py"])
         except (_source.DiffError, SyntaxError) as e:
@@ -327,7 +262,7 @@ def check(module=None) -> Verdict:
             changed = {f"{c}.{m}" for c, m in v.change.originals}
             if changed != set(expected):
                 v.problems.append(f"the patch changes {sorted(changed)}, the guard knows {sorted(expected)}")
-    for mod, names in COMPUTED.get(release, COMPUTED[max(COMPUTED)]).items():
+    for mod, names in COMPUTED.get(release, {}).items():
         _check_computed(v, release, mod, names)
     bad = {k: m for k, m in (*v.methods.items(), *v.computed.items()) if not m.startswith("ok")}
     for k, m in bad.items():
@@ -408,12 +343,7 @@ def apply(module=None) -> Verdict:
         if v.applied and v.ok:
             return v
         if not v.ok:
-            logger.warning(
-                "mtpstate: %s=1, but the integration is not applied; vLLM runs without it. %s. "
-                "Run `mtpstate vllm-check` for the details.",
-                ENV_VAR,
-                "; ".join(v.problems),
-            )
+            _say_refused(v, "1", "the integration is not applied")
             return v
         change = v.change
         # everything compiled before anything is set: never half-applied
@@ -430,6 +360,17 @@ def apply(module=None) -> Verdict:
         v.applied = True
         logger.debug("mtpstate: applied to %s (%d methods)", RUNNER_MODULE, len(new))
         return v
+
+
+def _say_refused(v: Verdict, value: str, what: str) -> None:
+    """The guard's one WARNING: ``VLLM_USE_MTPSTATE=value``, but ``what``."""
+    logger.warning(
+        "mtpstate: %s=%s, but %s; vLLM runs without it. %s. Run `mtpstate vllm-check` for the details.",
+        ENV_VAR,
+        value,
+        what,
+        "; ".join(v.problems),
+    )
 
 
 def compile_patched(module, change: _source.SourceChange, module_globals: dict) -> dict:
@@ -454,12 +395,7 @@ def shadow(module=None) -> Verdict:
             module = importlib.import_module(RUNNER_MODULE)
         v = check(module)
         if not v.ok:
-            logger.warning(
-                "mtpstate: %s=shadow, but the shadow is not set up; vLLM runs without it. %s. "
-                "Run `mtpstate vllm-check` for the details.",
-                ENV_VAR,
-                "; ".join(v.problems),
-            )
+            _say_refused(v, "shadow", "the shadow is not set up")
             return v
         if v.applied:
             logger.warning("mtpstate: %s=shadow, but mtpstate is applied in this process; no shadow", ENV_VAR)

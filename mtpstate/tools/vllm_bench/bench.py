@@ -308,7 +308,8 @@ def _shadow_cost(w, block_sizes, blobs, timed, repeats, device, sampler) -> dict
     from mtpstate.integrations.vllm.shadow import DEFAULT_EVERY, Shadow
 
     # the patched runner methods, as the plugin set them in this process
-    methods = {tuple(k.split(".", 1)): vars(GPUModelRunner)[k.split(".", 1)[1]] for k in plugin.SUPPORTED["0.34.0"]}
+    release = plugin.installed_release()
+    methods = {tuple(k.split(".", 1)): vars(GPUModelRunner)[k.split(".", 1)[1]] for k in plugin.SUPPORTED[release]}
     args = (w.max_num_seqs, w.max_model_len, w.max_num_batched_tokens, block_sizes, w.num_spec)
     sync = synchronizer(device)
     t_vllm, t_shadow, checked = [], [], []

@@ -84,7 +84,10 @@ class Driver:
                 n += 1
             sampled.append([self.rng.randrange(3, VOCAB) for _ in range(n)])
             drafts.append((rid, [self.rng.randrange(3, VOCAB) for _ in range(self.w.num_spec)]))
-        out = ModelRunnerOutput(req_ids=req_ids, sampled_token_ids=sampled)
+        extra = {}
+        if "req_id_to_index" in getattr(ModelRunnerOutput, "__dataclass_fields__", {}):  # (a field until 0.33)
+            extra["req_id_to_index"] = {rid: i for i, rid in enumerate(req_ids)}
+        out = ModelRunnerOutput(req_ids=req_ids, sampled_token_ids=sampled, **extra)
         d = DraftTokenIds([r for r, _ in drafts], [t for _, t in drafts]) if self.w.num_spec and drafts else None
         return out, d
 

@@ -11,6 +11,7 @@ import dataclasses
 import numpy as np
 
 from mtpstate.integrations.vllm.shadow.checks import Disagreement
+from mtpstate.integrations.vllm.shadow.columns import BATCH_FIELDS
 
 
 class Comparison:
@@ -66,19 +67,6 @@ def compare_states(c: Comparison, ref: dict, got: dict, what: str = "") -> None:
     for rid in sorted(set(ref) & set(got)):
         for k, v in ref[rid].items():
             c.add(rid, what + k, v, got[rid][k], got[rid][k] == v, _count(v))
-
-
-BATCH_FIELDS = (
-    "num_scheduled_tokens",
-    "num_tokens",
-    "num_draft_tokens_np",
-    "prefill_len_np",
-    "num_computed_prefill_tokens_np",
-    "is_prefilling_np",
-    "has_prefill",
-    "prefill_runs_as_decode_np",
-    "decode_graph_eligible",
-)
 
 
 def compare_batches(c: Comparison, ref, ref_ids_of_rows, got, got_ids_of_rows) -> None:

@@ -79,6 +79,9 @@ def _targets(sampler):
     ss, pen, lpt = sampler.sampling_states, sampler.penalties_state, sampler.logprob_token_ids_state
     lb, bw = _builtin_processors(sampler)
     i32, f32, b = np.int32, np.float32, np.bool_
+    may_mask = getattr(sampler, "may_mask_logits", None)
+    if may_mask is None:  # (a release whose sampler keeps none, 0.33: the writer's own array takes it)
+        may_mask = np.zeros(sampler.needs_logits_processing.shape, np.bool_)
     return (
         (ss.temperature, f32),
         (ss.top_k, i32),
@@ -88,7 +91,7 @@ def _targets(sampler):
         (ss.seeds, np.int64),
         (ss.num_logprobs, i32),
         (sampler.needs_logits_processing, b),
-        (sampler.may_mask_logits, b),
+        (may_mask, b),
         (pen.repetition_penalty, f32),
         (pen.frequency_penalty, f32),
         (pen.presence_penalty, f32),

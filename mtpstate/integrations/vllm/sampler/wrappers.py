@@ -61,9 +61,10 @@ def _bind_questions(sampler, a: SamplerAnswers) -> None:
     lpt = sampler.logprob_token_ids_state
     orig_get_logprobs_dims = sampler.get_logprobs_dims
 
-    def get_logprobs_dims(idx_mapping_np):
-        if idx_mapping_np is not a.idx:
-            return orig_get_logprobs_dims(idx_mapping_np)
+    def get_logprobs_dims(idx_mapping_np, *args, **kwargs):
+        # (a release's further arguments, 0.33's include_token_ids: vLLM's)
+        if idx_mapping_np is not a.idx or args or kwargs:
+            return orig_get_logprobs_dims(idx_mapping_np, *args, **kwargs)
         lp, tok = a.max_num_logprobs, a.max_num_token_ids
         if lp == _K_NO_LOGPROBS and tok == 0:
             return None

@@ -5,6 +5,21 @@ differentials (``mtpstate.tools.vllm_verify``)."""
 
 from __future__ import annotations
 
+# the fields of vLLM's BatchReqState compared as they are (idx_mapping_np,
+# rows, through each side's id map; max_seq_len_np where both sides are
+# gather_batch_req_state's, which fills it only with pipeline parallelism)
+BATCH_FIELDS = (
+    "num_scheduled_tokens",
+    "num_tokens",
+    "num_draft_tokens_np",
+    "prefill_len_np",
+    "num_computed_prefill_tokens_np",
+    "is_prefilling_np",
+    "has_prefill",
+    "prefill_runs_as_decode_np",
+    "decode_graph_eligible",
+)
+
 # columns written when a request is added, and then only by vLLM's kernels
 # (never by a later step's host code): compared for the step's new requests,
 # and for every live request at a device check
@@ -72,11 +87,12 @@ def sampler_columns(sampler) -> dict:
         ("seeds_set", ss.seeds_set),
         ("num_logprobs", ss.num_logprobs),
         ("needs_logits_processing", s.needs_logits_processing),
-        ("may_mask_logits", s.may_mask_logits),
+        ("may_mask_logits", getattr(s, "may_mask_logits", None)),  # (None: a release without it, 0.33)
         ("use_penalty", pen.use_penalty),
         ("use_logit_bias", lb.use_logit_bias),
     ):
-        out[name] = (a, None)
+        if a is not None:
+            out[name] = (a, None)
     return out
 
 

@@ -19,19 +19,6 @@ from mtpstate.integrations.vllm.shadow.checks import Disagreement, Rows
 
 logger = logging.getLogger("vllm.mtpstate")
 
-BATCH_FIELDS = (
-    "num_scheduled_tokens",
-    "num_tokens",
-    "num_draft_tokens_np",
-    "prefill_len_np",
-    "num_computed_prefill_tokens_np",
-    "is_prefilling_np",
-    "has_prefill",
-    "prefill_runs_as_decode_np",
-    "decode_graph_eligible",
-    "max_seq_len_np",
-)
-
 
 class Shadow:
     """mtpstate beside one live vLLM runner (see the module docstring).
@@ -188,7 +175,7 @@ class Shadow:
 
     def _compare_batch(self, out: list, vb, sb) -> None:
         self.values += checks.values_equal(out, "batch.req_ids", list(vb.req_ids), list(sb.req_ids))
-        for f in BATCH_FIELDS:
+        for f in (*columns.BATCH_FIELDS, "max_seq_len_np"):  # (both sides: gather's)
             self.values += checks.values_equal(out, f"batch.{f}", getattr(vb, f), getattr(sb, f))
         self._same_rows(out, "batch.idx_mapping_np", vb.idx_mapping_np, sb.idx_mapping_np)
 
