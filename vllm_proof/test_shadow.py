@@ -67,23 +67,26 @@ def test_each_mutant_is_reported_within_every_steps(mutant):
     assert every_k["shadow"]["first"] in p.stderr
 
 
-def test_an_error_of_the_shadows_own_ends_it_and_vllm_serves_on():
-    p, results = _harness("--workload", "async-preempt", "--steps", "40", "--every", str(EVERY), "--fault-at", "7")
-    assert p.returncode == 0 and len(results) == 1, p.stderr[-3000:]
-    r = results[0]
-    sh = r["shadow"]
-    assert r["identical"] and r["steps"] == 40, r
-    assert not sh["active"] and sh["steps"] == 7 and sh["disagreements"] == 0, r
-    assert "stopped at step 8 in update_requests: RuntimeError" in sh["stopped"], r
-    assert p.stderr.count("mtpstate shadow: stopped") == 1, p.stderr[-3000:]
-
-
-def test_a_request_mtpstate_refuses_ends_the_shadow_and_vllm_serves_on():
-    p, results = _harness("--workload", "async-preempt", "--steps", "40", "--every", str(EVERY), "--long-id-at", "5")
+def _ended(*args):
+    """A 40-step shadowed run of async-preempt that something ends: vLLM's
+    results identical throughout, the shadow stopped without a disagreement,
+    one WARNING. Returns the shadow's report."""
+    p, results = _harness("--workload", "async-preempt", "--steps", "40", "--every", str(EVERY), *args)
     assert p.returncode == 0 and len(results) == 1, p.stderr[-3000:]
     r = results[0]
     sh = r["shadow"]
     assert r["identical"] and r["steps"] == 40, r
     assert not sh["active"] and sh["disagreements"] == 0, r
-    assert "InvalidStepError: new request id of 70016 bytes exceeds max_id_bytes" in sh["stopped"], r
-    assert "with VLLM_USE_MTPSTATE=1 this step would fail" in sh["stopped"], r
+    assert p.stderr.count("mtpstate shadow: stopped") == 1, p.stderr[-3000:]
+    return sh
+
+
+def test_an_error_of_the_shadows_own_ends_it_and_vllm_serves_on():
+    sh = _ended("--fault-at", "7")
+    assert sh["steps"] == 7 and "stopped at step 8 in update_requests: RuntimeError" in sh["stopped"], sh
+
+
+def test_a_request_mtpstate_refuses_ends_the_shadow_and_vllm_serves_on():
+    sh = _ended("--long-id-at", "5")
+    assert "InvalidStepError: new request id of 70016 bytes exceeds max_id_bytes" in sh["stopped"], sh
+    assert "with VLLM_USE_MTPSTATE=1 this step would fail" in sh["stopped"], sh

@@ -106,16 +106,15 @@ class Shadow:
         self.steps += 1
         self._new_ids = [r.req_id for r in new]
         out: list = []
-        self._compare_state(out, self._new_ids)
-        if self._new_ids and not out:
-            self._seed_snapshot(self._new_ids)
+        added = self._compare_state(out, self._new_ids)
+        if added is not None and not out:
+            self._seed_snapshot(added)
         self._done(out, t0)
 
-    def _seed_snapshot(self, new_ids: list) -> None:
+    def _seed_snapshot(self, added: Rows) -> None:
         if self._ops is not None:
             self._ops.synchronize()  # (the modelled device's queued work first, as a stream orders it)
         live, sr = self._live, self.runner
-        added = Rows.of(live.req_states.req_id_to_index, sr.req_states.req_id_to_index, new_ids)
         keep: list = []
         dev = live.req_states.device
         vr, mr = checks.upload(added.vllm, dev, keep), checks.upload(added.mtpstate, dev, keep)
@@ -154,11 +153,14 @@ class Shadow:
 
     # -- comparisons
 
-    def _compare_state(self, out: list, new_ids: list, every_column: bool = False) -> None:
+    def _compare_state(self, out: list, new_ids: list, every_column: bool = False) -> Rows | None:
+        """Every live request's state (``every_column``: and the columns
+        written only at add, and every sampler value), the new requests'
+        columns written at add; returns the new requests' rows (None: none)."""
         live, sr = self._live, self.runner
         vi, si = live.req_states.req_id_to_index, sr.req_states.req_id_to_index
         if not checks.same_ids(out, vi, si):
-            return
+            return None
         rows = self._rows = Rows.of(vi, si)
         mine = columns.state_columns(sr.req_states, sr.block_tables)
         added = Rows.of(vi, si, new_ids) if new_ids else None
@@ -172,6 +174,7 @@ class Shadow:
             which = rows if every_column else added
             for name, (a, _) in columns.sampler_columns(live.sampler).items():
                 self.values += checks.rows_equal(out, f"sampler.{name}", a, mine[name][0], which)
+        return added
 
     def _compare_batch(self, out: list, vb, sb) -> None:
         self.values += checks.values_equal(out, "batch.req_ids", list(vb.req_ids), list(sb.req_ids))
