@@ -12,7 +12,7 @@ STAMP := $(VENV)/.installed
 # its unpacked sdist (nothing built) + the pure-Python deps of them all; a
 # .pth puts the newest source on the venv's path, so `import vllm` works there
 # as installed (PYTHONPATH comes first: each release's tier sets it)
-VLLM_RELEASES := 0.34.0 0.33.0
+VLLM_RELEASES := 0.34.0 0.33.0 0.32.0
 VLLM_DIR := .vllm
 VLLM_SRC := $(VLLM_DIR)/vllm-$(firstword $(VLLM_RELEASES))
 VVENV := .venv-vllm
@@ -75,18 +75,26 @@ $(VLLM_DIR)/vllm-%-mtpstate/.patched: $(VSTAMP) $(wildcard mtpstate/integrations
 	patch -p1 --quiet -d $(VLLM_DIR)/vllm-$*-mtpstate < $(call patch_of,$*)
 	touch $@
 
-# per release: 1. vLLM's own worker / Model Runner V2 tests: without mtpstate,
-#    with the plugin, with the patch, in shadow mode (the same tests must
-#    pass); 2. the differentials (bare table; the runner through the plugin),
-#    vllm-verify, shadow mode and the plugin's guard. Each release's time is printed.
+# per release (test-vllm-RELEASE): 1. vLLM's own worker / Model Runner V2
+#    tests: without mtpstate, with the plugin, with the patch, in shadow mode
+#    (the same tests must pass); 2. the differentials (bare table; the runner
+#    through the plugin), vllm-verify, shadow mode and the plugin's guard.
+# test-vllm runs every release's tier, VLLM_JOBS at a time (each tier is
+# mostly one process: two fit two cores), each one's output whole when it
+# ends, with its time.
+VLLM_JOBS ?= 2
+VLLM_TIERS := $(addprefix test-vllm-,$(VLLM_RELEASES))
+.PHONY: $(VLLM_TIERS)
+
 test-vllm: $(VSTAMP) $(PATCHED_STAMPS)
-	@for r in $(VLLM_RELEASES); do \
-	  start=$$(date +%s); echo "== vLLM $$r"; \
-	  $(VPY) vllm_proof/vllm_own_tests.py $(VLLM_DIR)/vllm-$$r $(VLLM_DIR)/vllm-$$r-mtpstate || exit 1; \
-	  MTPSTATE_VLLM_PATCHED=$(CURDIR)/$(VLLM_DIR)/vllm-$$r-mtpstate PYTHONPATH=$(CURDIR)/$(VLLM_DIR)/vllm-$$r \
-	    VLLM_LOGGING_LEVEL=ERROR $(VPY) -m pytest -q -p no:cacheprovider vllm_proof || exit 1; \
-	  echo "== vLLM $$r: tier passed in $$(( $$(date +%s) - start )) s"; \
-	done
+	@$(MAKE) --no-print-directory -j$(VLLM_JOBS) --output-sync=target $(VLLM_TIERS)
+
+$(VLLM_TIERS): test-vllm-%: $(VSTAMP) $(VLLM_DIR)/vllm-%-mtpstate/.patched
+	@start=$$(date +%s); echo "== vLLM $*"; \
+	$(VPY) vllm_proof/vllm_own_tests.py $(VLLM_DIR)/vllm-$* $(VLLM_DIR)/vllm-$*-mtpstate && \
+	MTPSTATE_VLLM_PATCHED=$(CURDIR)/$(VLLM_DIR)/vllm-$*-mtpstate PYTHONPATH=$(CURDIR)/$(VLLM_DIR)/vllm-$* \
+	  VLLM_LOGGING_LEVEL=ERROR $(VPY) -m pytest -q -p no:cacheprovider vllm_proof && \
+	echo "== vLLM $*: tier passed in $$(( $$(date +%s) - start )) s"
 
 # mtpstate bench-vllm in the venv: the bookkeeping, then the runner's host
 # step, on the newest release; then the runner's host step on every release

@@ -18,6 +18,7 @@ import urllib.request
 SHA256 = {
     "0.34.0": "fcad848b246a9d8652b47e6425af92334dc02492f9802720f54e27b823cf0113",
     "0.33.0": "f4c33c2503d52bb411146afa9618a4f48bed68912f617e6803ac8d76e4c74112",
+    "0.32.0": "d2c957d5eee3d0985012151315ddc62cbe0cd368fc96a5fc3510438d9dddf2ad",
 }
 INDEX = os.environ.get("MTPSTATE_VLLM_INDEX", "https://pypi.org/simple/vllm/")
 

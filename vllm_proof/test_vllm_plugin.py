@@ -184,6 +184,7 @@ def test_enabled_applies_once_on_first_import(runner_module):
     [
         ({}, 0, "VLLM_USE_MTPSTATE=1 would: apply mtpstate"),
         ({"VLLM_PLUGINS": "other"}, 1, "VLLM_PLUGINS='other' leaves out 'mtpstate'"),
+        ({"VLLM_USE_V2_MODEL_RUNNER": "0"}, 1, "VLLM_USE_V2_MODEL_RUNNER=0 asks vLLM for Model Runner V1"),
     ],
 )
 def test_vllm_check(env, rc, needle):

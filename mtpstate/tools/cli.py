@@ -600,6 +600,8 @@ def _cmd_vllm_check(args) -> int:
                 for name, verdict in f["drift"].items():
                     print(f"drift from {f['nearest_supported']}: {name}: {verdict}")
             print(f"{plugin.ENV_VAR} now: {f[plugin.ENV_VAR] or 'unset'}")
+            if f.get(plugin.RUNNER_CHOICE_VAR) is not None:
+                print(f"{plugin.RUNNER_CHOICE_VAR} now: {f[plugin.RUNNER_CHOICE_VAR]}")
         if f["would_apply"]:
             print(
                 f"{plugin.ENV_VAR}=1 would: apply mtpstate to Model Runner V2's GPUModelRunner in every vLLM "

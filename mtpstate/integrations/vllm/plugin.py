@@ -467,6 +467,17 @@ def register() -> None:
             sys.meta_path.insert(0, _PatchOnImport())
 
 
+RUNNER_CHOICE_VAR = "VLLM_USE_V2_MODEL_RUNNER"
+
+
+def _is_zero(value: str | None) -> bool:
+    # vLLM reads the variable as bool(int(value))
+    try:
+        return value is not None and int(value) == 0
+    except ValueError:
+        return False
+
+
 def report() -> dict:
     """The operator's check (``mtpstate vllm-check``): every fact that decides
     whether ``VLLM_USE_MTPSTATE=1`` would turn mtpstate on in this
@@ -501,6 +512,13 @@ def report() -> dict:
         reasons.append("mtpstate's entry point is not visible to vLLM (install mtpstate into vLLM's environment)")
     elif names is not None and eps[0].name not in names:
         reasons.append(f"VLLM_PLUGINS={allowed!r} leaves out {eps[0].name!r}")
+    # releases that still have Model Runner V1 (0.32, 0.33) run it when asked
+    runner_choice = facts[RUNNER_CHOICE_VAR] = os.environ.get(RUNNER_CHOICE_VAR)
+    if _is_zero(runner_choice):
+        reasons.append(
+            f"{RUNNER_CHOICE_VAR}={runner_choice} asks vLLM for Model Runner V1, which mtpstate leaves alone "
+            "(it changes Model Runner V2 only)"
+        )
     facts["would_apply"] = not reasons
     facts["reasons"] = reasons
     # shadow mode: the same guard and entry point; its settings as this environment sets them

@@ -78,6 +78,18 @@ def vllm_methods(cls):
     return SimpleNamespace(**out)
 
 
+def ask_top_k_top_p(ss, expanded_idx_mapping, idx_mapping_np, vocab_size: int) -> tuple:
+    """``SamplingStates.get_top_k_top_p`` as vLLM's Sampler asks it: with
+    the vocab size where the release's method takes it (0.33 on), else
+    without (0.32: its answer has no ``has_topp_only_rows``, given as None).
+    Always ``(top_k, top_p, has_topp_only_rows)``."""
+    import inspect
+
+    if "vocab_size" in inspect.signature(type(ss).get_top_k_top_p).parameters:
+        return tuple(ss.get_top_k_top_p(expanded_idx_mapping, idx_mapping_np, vocab_size))
+    return (*ss.get_top_k_top_p(expanded_idx_mapping, idx_mapping_np), None)
+
+
 class MRV2Reference:
     """The host side of vLLM 0.34's GPUModelRunner for one step: the real
     ``finish_requests``, ``add_requests`` and ``update_requests`` methods,
@@ -221,7 +233,8 @@ class MRV2Reference:
         logits one column wide: the logits' copy is device work), then
         ``sample``'s ``get_top_k_top_p`` (with its device gathers) and the
         fused-sampler checks. Returns ``(logprobs_dims, top_k, top_p,
-        has_topp_only_rows, fused_sampler_eligible)``."""
+        has_topp_only_rows, fused_sampler_eligible)`` (``has_topp_only_rows``
+        None on a release whose ``get_top_k_top_p`` has none)."""
         import torch
 
         s = self.sampler
@@ -244,7 +257,7 @@ class MRV2Reference:
             ib.seq_lens_cpu_upper_bound.numpy(),
             skip_top_k_top_p=True,
         )
-        top_k, top_p, topp_only = ss.get_top_k_top_p(ib.expanded_idx_mapping, idx, VOCAB)
+        top_k, top_p, topp_only = ask_top_k_top_p(ss, ib.expanded_idx_mapping, idx, VOCAB)
         fused = not ((top_k is None and top_p is None) or ss.any_greedy(idx) or ss.any_explicit_seed(idx))
         return dims, top_k, top_p, topp_only, fused
 

@@ -1,4 +1,4 @@
-"""CPU shims for vLLM 0.34's Model Runner V2 code: a platform that lets the
+"""CPU shims for vLLM's Model Runner V2 code: a platform that lets the
 config load on x86 without Triton, the staged-write kernel of buffer_utils in
 numpy, and no-op launches (counted) for the Triton kernels of
 ``prepare_inputs`` / ``prepare_attn``. Used only where there is no GPU."""
@@ -23,6 +23,12 @@ def install_cpu_shims() -> None:
         device_name = "cpu"
 
     platforms._current_platform = HarnessPlatform()
+    # A GPU has Triton, so its config selects Model Runner V2. 0.33 on take
+    # the unspecified platform without Triton; 0.32's config asks for Triton
+    # (none of its kernels is launched here: see below).
+    import vllm.config.vllm as config_module
+
+    config_module.HAS_TRITON = True
 
     import vllm.v1.worker.cpu.buffer_utils as cpu_buffer_utils
     from vllm.v1.worker.gpu import buffer_utils
@@ -40,7 +46,11 @@ def install_cpu_shims() -> None:
     from vllm.utils.math_utils import next_power_of_2
     from vllm.v1.worker.gpu import block_table, input_batch
 
-    torch_utils.PIN_MEMORY = False  # async_tensor_h2d: no pinned staging without an accelerator
+    # async_tensor_h2d: no pinned staging without an accelerator (0.33 on
+    # read PIN_MEMORY; 0.32 asks is_pin_memory_available on every copy). The
+    # platform's own answer stays yes: the UVA buffers are the CPU tensors.
+    torch_utils.PIN_MEMORY = False
+    torch_utils.is_pin_memory_available = lambda: False
     if not hasattr(triton, "next_power_of_2"):  # vLLM's placeholder module (no Triton installed)
         triton.next_power_of_2 = next_power_of_2
     for mod, names in ((input_batch, INPUT_KERNELS), (block_table, ATTN_KERNELS)):

@@ -7,6 +7,7 @@ disagreement in full (request id, field, both values)."""
 from __future__ import annotations
 
 import dataclasses
+import inspect
 
 import numpy as np
 
@@ -210,8 +211,9 @@ def compare_answers(c: Comparison, s, answers, ib) -> None:
     if answers.idx is not idx:
         return
     ss = s.sampling_states
-    for v in (VOCAB, VOCAB - 1, 50, 1):
-        args = (eim, idx, v)
+    takes_vocab = "vocab_size" in inspect.signature(type(ss).get_top_k_top_p).parameters
+    for v in (VOCAB, VOCAB - 1, 50, 1) if takes_vocab else (None,):
+        args = (eim, idx, v) if takes_vocab else (eim, idx)
         a, b = _plain(type(ss).get_top_k_top_p(ss, *args)), _plain(ss.get_top_k_top_p(*args))
         c.add(None, f"sampler.get_top_k_top_p(vocab={v})", a, b, a == b)
     want, got = vllm_answers(s, idx), mtpstate_answers(s, answers, idx)

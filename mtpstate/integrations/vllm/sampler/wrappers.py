@@ -5,6 +5,7 @@ Each answers only for the batch mtpstate built (recognised by its
 
 from __future__ import annotations
 
+import inspect
 import sys
 
 from mtpstate._kernels import sampler as _K
@@ -89,15 +90,22 @@ def _bind_questions(sampler, a: SamplerAnswers) -> None:
         return a.max_num_logprobs
 
     orig_get_top_k_top_p = ss.get_top_k_top_p
+    # (top_k, top_p, has_topp_only_rows) where vLLM's method takes the
+    # vocab size (0.33 on); (top_k, top_p) where it does not (0.32)
+    answers_topp_only = "vocab_size" in inspect.signature(orig_get_top_k_top_p).parameters
+    num_extra_args = 1 if answers_topp_only else 0
 
-    def get_top_k_top_p(expanded_idx_mapping, idx_mapping_np, vocab_size):
-        if idx_mapping_np is not a.idx:
-            return orig_get_top_k_top_p(expanded_idx_mapping, idx_mapping_np, vocab_size)
+    def get_top_k_top_p(expanded_idx_mapping, idx_mapping_np, *args, **kwargs):
+        if idx_mapping_np is not a.idx or len(args) + len(kwargs) != num_extra_args:
+            return orig_get_top_k_top_p(expanded_idx_mapping, idx_mapping_np, *args, **kwargs)
         flags = a.flags
         do_top_p = (flags & _K.SP_DO_TOP_P) != 0
         # vLLM's device gathers, for the rows that need them
         top_k = ss.top_k.gpu[expanded_idx_mapping] if flags & _K.SP_DO_TOP_K else None
         top_p = ss.top_p.gpu[expanded_idx_mapping] if do_top_p else None
+        if not answers_topp_only:
+            return top_k, top_p
+        (vocab_size,) = args or tuple(kwargs.values())
         return top_k, top_p, do_top_p and a.max_top_k_top_p >= vocab_size
 
     orig_max_num_token_ids = lpt.max_num_token_ids

@@ -80,6 +80,8 @@ class ShadowRunner:
             num_prefill_lookahead=rs.next_prefill_tokens.shape[0],
             use_dense_all_token_ids=not hasattr(rs.all_token_ids, "_uva_buf"),
         )
+        # (sliding-window reach: 0.33 on; 0.32's BlockTables has none)
+        reach = {"sliding_window_reach": bt._sliding_window_reach} if hasattr(bt, "_sliding_window_reach") else {}
         self.block_tables = BlockTables(
             block_sizes=list(bt.block_sizes),
             max_num_reqs=bt.max_num_reqs,
@@ -91,7 +93,7 @@ class ShadowRunner:
             cp_interleave=getattr(bt, "cp_interleave", 1),
             slot_mapping_enabled=getattr(bt, "_slot_mapping_enabled", None),
             dcp_sharded=bt.dcp_sharded.tolist() if isinstance(getattr(bt, "dcp_sharded", None), torch.Tensor) else None,
-            sliding_window_reach=getattr(bt, "_sliding_window_reach", None),
+            **reach,
         )
         self.input_buffers = InputBuffers(rs.max_num_reqs, live.input_buffers.input_ids.shape[0], dev)
         # what the patched methods read besides the state
