@@ -83,9 +83,9 @@ def ask_top_k_top_p(ss, expanded_idx_mapping, idx_mapping_np, vocab_size: int) -
     the vocab size where the release's method takes it (0.33 on), else
     without (0.32: its answer has no ``has_topp_only_rows``, given as None).
     Always ``(top_k, top_p, has_topp_only_rows)``."""
-    import inspect
+    from mtpstate.integrations.vllm.sampler.objects import top_k_top_p_takes_vocab
 
-    if "vocab_size" in inspect.signature(type(ss).get_top_k_top_p).parameters:
+    if top_k_top_p_takes_vocab(ss):
         return tuple(ss.get_top_k_top_p(expanded_idx_mapping, idx_mapping_np, vocab_size))
     return (*ss.get_top_k_top_p(expanded_idx_mapping, idx_mapping_np), None)
 

@@ -7,7 +7,6 @@ disagreement in full (request id, field, both values)."""
 from __future__ import annotations
 
 import dataclasses
-import inspect
 
 import numpy as np
 
@@ -203,6 +202,7 @@ def compare_answers(c: Comparison, s, answers, ib) -> None:
     the class's own (vLLM's) method on the same arrays, and the skip checks
     (processing, penalties, logit bias, bad words, thinking budget,
     temperature, min-p) against vLLM's numpy."""
+    from mtpstate.integrations.vllm.sampler.objects import top_k_top_p_takes_vocab
     from mtpstate.integrations.vllm.shadow.columns import mtpstate_answers, vllm_answers
     from mtpstate.tools.vllm_bench.workloads import VOCAB
 
@@ -211,7 +211,7 @@ def compare_answers(c: Comparison, s, answers, ib) -> None:
     if answers.idx is not idx:
         return
     ss = s.sampling_states
-    takes_vocab = "vocab_size" in inspect.signature(type(ss).get_top_k_top_p).parameters
+    takes_vocab = top_k_top_p_takes_vocab(ss)
     for v in (VOCAB, VOCAB - 1, 50, 1) if takes_vocab else (None,):
         args = (eim, idx, v) if takes_vocab else (eim, idx)
         a, b = _plain(type(ss).get_top_k_top_p(ss, *args)), _plain(ss.get_top_k_top_p(*args))

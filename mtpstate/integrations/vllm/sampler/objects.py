@@ -4,6 +4,8 @@ works with, the per-row arrays its answers read, and the arrays vLLM's
 
 from __future__ import annotations
 
+import inspect
+
 import numpy as np
 
 # the exact classes whose methods attach() replaces: attribute path -> (module, class)
@@ -32,6 +34,14 @@ def _builtin_processors(sampler):
     if not (_is(lb, _LOGIT_BIAS) and pen is getattr(sampler, "penalties_state", None) and _is(bw, _BAD_WORDS)):
         return None
     return lb, bw
+
+
+def top_k_top_p_takes_vocab(sampling_states) -> bool:
+    """Whether the release's ``SamplingStates.get_top_k_top_p`` takes the
+    vocab size and answers ``(top_k, top_p, has_topp_only_rows)`` (0.33 on),
+    or answers ``(top_k, top_p)`` without it (0.32)."""
+    method = type(sampling_states).get_top_k_top_p
+    return "vocab_size" in inspect.signature(method).parameters
 
 
 def _arrays(sampler, R: int):

@@ -5,12 +5,11 @@ Each answers only for the batch mtpstate built (recognised by its
 
 from __future__ import annotations
 
-import inspect
 import sys
 
 from mtpstate._kernels import sampler as _K
 from mtpstate.integrations.vllm.sampler.answers import SamplerAnswers
-from mtpstate.integrations.vllm.sampler.objects import _builtin_processors
+from mtpstate.integrations.vllm.sampler.objects import _builtin_processors, top_k_top_p_takes_vocab
 
 _K_NO_LOGPROBS = -1  # vLLM's NO_LOGPROBS (sample/states.py)
 
@@ -90,9 +89,8 @@ def _bind_questions(sampler, a: SamplerAnswers) -> None:
         return a.max_num_logprobs
 
     orig_get_top_k_top_p = ss.get_top_k_top_p
-    # (top_k, top_p, has_topp_only_rows) where vLLM's method takes the
-    # vocab size (0.33 on); (top_k, top_p) where it does not (0.32)
-    answers_topp_only = "vocab_size" in inspect.signature(orig_get_top_k_top_p).parameters
+    # in the form of the release's method: with has_topp_only_rows or without
+    answers_topp_only = top_k_top_p_takes_vocab(ss)
     num_extra_args = 1 if answers_topp_only else 0
 
     def get_top_k_top_p(expanded_idx_mapping, idx_mapping_np, *args, **kwargs):
