@@ -79,9 +79,9 @@ $(VLLM_DIR)/vllm-%-mtpstate/.patched: $(VSTAMP) $(wildcard mtpstate/integrations
 #    tests: without mtpstate, with the plugin, with the patch, in shadow mode
 #    (the same tests must pass); 2. the differentials (bare table; the runner
 #    through the plugin), vllm-verify, shadow mode and the plugin's guard.
-# test-vllm runs every release's tier, VLLM_JOBS at a time (each tier is
-# mostly one process: two fit two cores), each one's output whole when it
-# ends, with its time.
+# test-vllm runs every release's tier, VLLM_JOBS at a time, each one's
+# output whole when it ends, with its time (a tier keeps nearly two cores
+# busy by itself: two at a time on two cores saves about a tenth).
 VLLM_JOBS ?= 2
 VLLM_TIERS := $(addprefix test-vllm-,$(VLLM_RELEASES))
 .PHONY: $(VLLM_TIERS)

@@ -89,9 +89,10 @@ def _bind_questions(sampler, a: SamplerAnswers) -> None:
         return a.max_num_logprobs
 
     orig_get_top_k_top_p = ss.get_top_k_top_p
-    # in the form of the release's method: with has_topp_only_rows or without
-    answers_topp_only = top_k_top_p_takes_vocab(ss)
-    num_extra_args = 1 if answers_topp_only else 0
+    # in the form of the release's method: with the vocab size and
+    # has_topp_only_rows (0.33 on) or without both (0.32)
+    takes_vocab = top_k_top_p_takes_vocab(ss)
+    num_extra_args = 1 if takes_vocab else 0
 
     def get_top_k_top_p(expanded_idx_mapping, idx_mapping_np, *args, **kwargs):
         if idx_mapping_np is not a.idx or len(args) + len(kwargs) != num_extra_args:
@@ -101,7 +102,7 @@ def _bind_questions(sampler, a: SamplerAnswers) -> None:
         # vLLM's device gathers, for the rows that need them
         top_k = ss.top_k.gpu[expanded_idx_mapping] if flags & _K.SP_DO_TOP_K else None
         top_p = ss.top_p.gpu[expanded_idx_mapping] if do_top_p else None
-        if not answers_topp_only:
+        if not takes_vocab:
             return top_k, top_p
         (vocab_size,) = args or tuple(kwargs.values())
         return top_k, top_p, do_top_p and a.max_top_k_top_p >= vocab_size
