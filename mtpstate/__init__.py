@@ -4,19 +4,38 @@ Data flow: scheduler output -> validation + kernels (``RequestTable.apply``)
 -> host arrays -> staging -> device tensors (``mirror``).
 """
 
-from mtpstate.errors import (
-    CapacityError,
-    DuplicateRequestError,
-    InvalidStepError,
-    MirrorFaultError,
-    StateError,
-    UnknownRequestError,
-)
-from mtpstate.index import RequestIndex
-from mtpstate.results import StepResult
-from mtpstate.table import RequestTable
+from __future__ import annotations
+
+import importlib
 
 __version__ = "0.4.0"
+
+# The public names, imported on first use (PEP 562): importing mtpstate (as
+# vLLM's plugin loader does in every process) loads neither numpy nor numba
+_LAZY = {
+    "CapacityError": "mtpstate.errors",
+    "DuplicateRequestError": "mtpstate.errors",
+    "InvalidStepError": "mtpstate.errors",
+    "MirrorFaultError": "mtpstate.errors",
+    "StateError": "mtpstate.errors",
+    "UnknownRequestError": "mtpstate.errors",
+    "RequestIndex": "mtpstate.index",
+    "StepResult": "mtpstate.results",
+    "RequestTable": "mtpstate.table",
+}
+
+
+def __getattr__(name: str):
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'mtpstate' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY))
 
 
 def warmup() -> float:
@@ -25,6 +44,9 @@ def warmup() -> float:
     spent."""
     import time
     from types import SimpleNamespace as NS
+
+    from mtpstate.index import RequestIndex
+    from mtpstate.table import RequestTable
 
     t0 = time.perf_counter()
     t = RequestTable(max_num_reqs=4, max_model_len=32, block_sizes=[16])

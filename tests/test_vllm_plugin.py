@@ -323,3 +323,34 @@ def test_shadow_on_import_compiles_nothing_into_vllms_module(fake_vllm, monkeypa
     assert not plugin.check(m).applied
     errors = [r.getMessage() for r in caplog.records if r.levelno == logging.ERROR]
     assert len(errors) == 1 and "failed while applying" in errors[0]
+
+
+@pytest.mark.parametrize("value", [None, "0", "off"])
+def test_entry_point_not_asked_for_imports_only_the_standard_library(value):
+    # vLLM loads every general plugin in every process, asked for or not:
+    # until VLLM_USE_MTPSTATE asks, loading the entry point (as vLLM's
+    # loader does: the module, then register()) brings in nothing but the
+    # standard library and mtpstate's own modules; no numpy, no numba
+    import os
+    import subprocess
+    from importlib.metadata import entry_points
+
+    (ep,) = [e for e in entry_points(group="vllm.general_plugins") if e.name == "mtpstate"]
+    code = textwrap.dedent(
+        f"""
+        import sys
+        from importlib.metadata import entry_points
+        before = set(sys.modules)
+        (ep,) = [e for e in entry_points(group="vllm.general_plugins") if e.value == {ep.value!r}]
+        ep.load()()
+        new = set(sys.modules) - before
+        top = {{m.split(".")[0] for m in new}}
+        assert "mtpstate" in top, top
+        print(sorted(t for t in top - {{"mtpstate"}} if t not in sys.stdlib_module_names))
+        """
+    )
+    env = {k: v for k, v in os.environ.items() if k != plugin.ENV_VAR}
+    if value is not None:
+        env[plugin.ENV_VAR] = value
+    out = subprocess.run([sys.executable, "-c", code], check=True, env=env, capture_output=True, text=True)
+    assert out.stdout.strip() == "[]"

@@ -1,18 +1,21 @@
-"""The one jit helper that fixes every kernel's decorator options, and the
-notice printed when the kernels are compiled instead of loaded from numba's
-on-disk cache."""
+"""The one jit helper that fixes every kernel's decorator options, the key
+of the kernels' on-disk cache, and the notice printed when the kernels are
+compiled instead of loaded from numba's on-disk cache."""
 
 from __future__ import annotations
 
+import hashlib
 import os
 import sys
 import time
+from pathlib import Path
 
 import numba
 import numba.core.event
+from numba.core.caching import CompileResultCacheImpl, FunctionCache
 from numba.core.registry import CPUDispatcher
 
-__all__ = ["COMPILE_NOTICE", "ENTRY_KERNELS", "JIT_DISABLED", "jit"]
+__all__ = ["COMPILE_NOTICE", "ENTRY_KERNELS", "JIT_DISABLED", "KERNEL_SOURCE_KEY", "jit", "kernel_source_key"]
 
 JIT_DISABLED = os.environ.get("NUMBA_DISABLE_JIT", "0") not in ("", "0")
 
@@ -35,6 +38,51 @@ ENTRY_KERNELS = frozenset(
         "_layout",
     }
 )
+
+
+def kernel_source_key(version: str | None = None, folder: Path | None = None) -> str:
+    """The key of every kernel's on-disk cache: a digest of mtpstate's
+    version and of every kernel source file (``mtpstate/_kernels/*.py``).
+
+    numba keys an entry kernel's cache to its own file only, while the
+    helpers it calls from other files are compiled into it: a changed
+    helper would otherwise leave the old machine code running."""
+    if version is None:
+        from mtpstate import __version__ as version
+    folder = Path(__file__).parent if folder is None else folder
+    h = hashlib.sha256(f"mtpstate {version}\n".encode())
+    for path in sorted(folder.glob("*.py")):
+        h.update(f"{path.name}\n".encode())
+        h.update(path.read_bytes())
+    return h.hexdigest()[:32]
+
+
+KERNEL_SOURCE_KEY = kernel_source_key()
+
+
+class _KeyedLocator:
+    """numba's cache locator for a kernel, with :data:`KERNEL_SOURCE_KEY` in
+    its source stamp: a cache written by other kernel sources (or another
+    mtpstate) is stale, and the kernel is compiled again."""
+
+    def __init__(self, inner):
+        self._inner = inner
+
+    def get_source_stamp(self):
+        return (self._inner.get_source_stamp(), KERNEL_SOURCE_KEY)
+
+    def __getattr__(self, name):
+        return getattr(self._inner, name)
+
+
+class _KeyedCacheImpl(CompileResultCacheImpl):
+    def __init__(self, py_func):
+        super().__init__(py_func)
+        self._locator = _KeyedLocator(self._locator)
+
+
+class _KeyedFunctionCache(FunctionCache):
+    _impl_class = _KeyedCacheImpl
 
 
 def jit(fn=None, *, signature: str | None = None, **kwargs):
@@ -65,7 +113,17 @@ def jit(fn=None, *, signature: str | None = None, **kwargs):
         entry = f.__name__ in ENTRY_KERNELS
         if not entry:
             opts.update(no_cpython_wrapper=True, no_cfunc_wrapper=True)
-        kernel = numba.njit(*args, **opts)(f)
+        cache = opts.pop("cache")
+        if JIT_DISABLED:
+            return numba.njit(*args, **opts)(f)
+        # (numba's njit(signature, cache=True) would compile, and cache under
+        # numba's own key, right here: the keyed cache goes in first)
+        kernel = numba.njit(**opts)(f)
+        if cache:
+            kernel._cache = _KeyedFunctionCache(f)
+        if signature is not None:
+            kernel.compile(signature)
+            kernel.disable_compile()
         if not entry and isinstance(kernel, CPUDispatcher):
             kernel.__class__ = _KernelOnly
         return kernel

@@ -7,9 +7,18 @@
   ``VLLM_USE_MTPSTATE=1``, guarded against vLLM versions it was not
   written for.
 
-Imports no vLLM.
+Imports no vLLM, and nothing beyond the standard library until a name is
+used: vLLM imports the plugin's entry point in every process, asked or not.
 """
 
-from mtpstate.integrations.vllm.adapter import ModelRunnerV2State
+from __future__ import annotations
 
 __all__ = ["ModelRunnerV2State"]
+
+
+def __getattr__(name: str):
+    if name == "ModelRunnerV2State":
+        from mtpstate.integrations.vllm.adapter import ModelRunnerV2State
+
+        return ModelRunnerV2State
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
