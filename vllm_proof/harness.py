@@ -84,6 +84,13 @@ def main(argv=None) -> int:
     )
     p.add_argument("--fault-at", type=int, help="with --shadow: the shadow raises in this step (0-based)")
     p.add_argument("--long-id-at", type=int, help="with --shadow: the n-th request's id is one mtpstate refuses")
+    p.add_argument(
+        "--inject",
+        action="append",
+        metavar="PHASE:K",
+        help="with --runner: the K-th call of PHASE (mtpstate.tools.faults) raises, mtpstate running as the "
+        "engine runs it (handed back to vLLM); one run per --inject (repeatable)",
+    )
     p.add_argument("--json", metavar="FILE")
     args = p.parse_args(argv)
     install_cpu_shims()
@@ -109,6 +116,14 @@ def main(argv=None) -> int:
             continue
         if args.breakdown:
             r = breakdown_workload(w, model_dir)
+        elif args.runner and args.inject:
+            for spec in args.inject:
+                phase, _, k = spec.partition(":")
+                r = run_runner_differential(w, model_dir, fault=(phase, int(k or 3)))
+                r["fault"] = spec
+                print(json.dumps(r), flush=True)
+                failed |= r["disagreements"] > 0
+            continue
         elif args.runner:
             r = run_runner_differential(w, model_dir, deferred=args.deferred)
         else:

@@ -55,6 +55,15 @@ def unsupported_reason(runner) -> str | None:
         return "an encoder-decoder model"
     if getattr(runner, "decode_query_len", None) is None:
         return "a runner without decode_query_len"
+    vllm_config = getattr(runner, "vllm_config", None)
+    if getattr(getattr(vllm_config, "model_config", None), "enable_sleep_mode", False) is True:
+        # vLLM unmaps what initialize_kv_cache allocates on sleep (and brings
+        # it back empty on wake): the mirror's tensors and graphs among it
+        return "sleep mode (vLLM frees the memory initialize_kv_cache allocates)"
+    if getattr(getattr(vllm_config, "parallel_config", None), "enable_elastic_ep", False) is True:
+        # preserve_serving_state removes requests outside a step and redirects
+        # block writes to the null block, neither of which the table sees
+        return "elastic expert parallelism"
     for name in ("req_states", "block_tables"):
         if getattr(runner, name, None) is None:
             return f"a runner without {name}"
@@ -136,33 +145,63 @@ class ModelRunnerV2State:
     """
 
     @classmethod
-    def for_runner(cls, runner) -> ModelRunnerV2State | None:
+    def for_runner(cls, runner, fallback: bool = True) -> ModelRunnerV2State | None:
         """The state for ``runner``, or None where mtpstate does not apply
-        (:func:`unsupported_reason`): the runner then takes vLLM's own
-        paths. Logs one INFO line per process, the first time, either way."""
+        (:func:`unsupported_reason`) or cannot be built: the runner then
+        takes vLLM's own paths. Logs one INFO line per process, the first
+        time, either way; a build that fails logs one WARNING naming the
+        error and leaves the runner as it was.
+
+        ``fallback``: an error of mtpstate's own while serving hands the
+        runner back to vLLM (:meth:`hand_back`) instead of raising."""
         reason = unsupported_reason(runner)
         if reason is not None:
             _say_once(
                 "unsupported:" + reason, "mtpstate: not used for %s; this runner keeps vLLM's own request state", reason
             )
             return None
-        state = cls(runner, ring_depth=ring_depth_of(runner))
+        previous = runner.__dict__.get("_mtpstate_live")
+        if previous is not None:
+            # the KV cache initialized again: the state built for the last
+            # one gives everything back to vLLM first (one live state)
+            runner.__dict__.pop("_mtpstate_live", None)
+            previous.release()
+        try:
+            state = cls(runner, ring_depth=ring_depth_of(runner), fallback=fallback)
+        except Exception as e:  # noqa: BLE001  (never the reason vLLM stops: it runs without mtpstate)
+            if not fallback:
+                raise
+            logger.warning(
+                "mtpstate: building its request state failed (%s: %s); this runner keeps vLLM's own request "
+                "state, as without mtpstate",
+                type(e).__name__,
+                e,
+            )
+            return None
+        runner._mtpstate_live = state
         t = state.table
+        mem = state.memory()
         _say_once(
             "active",
             "mtpstate: active; request state in one RequestTable (max_num_reqs=%d, max_model_len=%d, "
-            "%d KV-cache group(s)), ring depth %d, device %s",
+            "%d KV-cache group(s)), ring depth %d, device %s; it holds %.1f MiB of host memory (%.1f MiB "
+            "pinned) and %.1f MiB on the device, outside vLLM's KV-cache budget",
             t.max_num_reqs,
             t.max_model_len,
             len(t.block_sizes),
             state.ring_depth,
             runner.req_states.device,
+            mem["host_bytes"] / 2**20,
+            mem["pinned_bytes"] / 2**20,
+            mem["device_bytes"] / 2**20,
         )
         return state
 
-    def __init__(self, runner, ring_depth: int = 2, ops=None):
+    def __init__(self, runner, ring_depth: int = 2, ops=None, fallback: bool = False):
         rs, bt = runner.req_states, runner.block_tables
         self.ring_depth = ring_depth
+        self.fallback = fallback
+        self.handed_back = None  # why vLLM keeps the request state again (None: mtpstate keeps it)
         widths = [t.gpu.shape[1] for t in bt.block_tables]
         self.runner = runner
         # Everything the host changes reaches vLLM's tensors in the mirror's
@@ -191,9 +230,13 @@ class ModelRunnerV2State:
         budget = getattr(runner, "max_num_tokens", None)
         if isinstance(budget, int) and 0 < budget < max_logits:
             max_logits = budget
+        # all_token_ids' width, which is what vLLM can hold: with an
+        # auto-fit max_model_len, vLLM shrinks req_states.max_model_len
+        # after building the tensor ([max_num_reqs, its max_model_len])
+        width = rs.all_token_ids.gpu.shape[1]
         self.table = RequestTable(
             max_num_reqs=rs.max_num_reqs,
-            max_model_len=rs.max_model_len,
+            max_model_len=max(width, rs.max_model_len),
             block_sizes=list(bt.block_sizes),
             max_num_blocks_per_group=widths,
             device=rs.device,
@@ -219,14 +262,29 @@ class ModelRunnerV2State:
         self._padding_views = {}  # (tokens, padded tokens) -> its views
         self._idx_np = None  # the idx_mapping_np gather_batch_req_state handed out last
         self._batch = None
+        self._so = None  # the step apply() applied last
+        self._applied_at = -1  # the table's step count when this step's apply began (-1: between steps)
+        self.sampler_answers = None
+        # how to give back what is taken over (a failed build: all of it)
+        self._undo: list = []
+        try:
+            self._take_over(runner, rs, bt)
+        except BaseException:
+            self._give_back_all()
+            raise
+
+    def _take_over(self, runner, rs, bt) -> None:
         t = self.table
+        undo = self._undo
         d = t.device_tensors
         # the runner reads these every step; as views, apply's writes are theirs
         replaced = {}  # id(vLLM's array or tensor) -> (it, the table's in its place)
+        self._uvas = []  # the UvaBackedTensors whose copy_to_uva is the mirror's
 
         def take(obj, name, new):
             old = getattr(obj, name)
             replaced[id(old)] = (old, new)
+            undo.append(lambda: _give_back(obj, name, old, new))
             setattr(obj, name, new)
 
         take(rs, "num_computed_tokens_np", t.num_computed_tokens)  # [max_num_reqs]
@@ -242,20 +300,23 @@ class ModelRunnerV2State:
             take(uva, "np", host)
             take(uva, "gpu", dev)
             uva.copy_to_uva = _Current(uva)
+            self._uvas.append(uva)
+            undo.append(lambda uva=uva: uva.__dict__.pop("copy_to_uva", None))
         # device tensors the runner's own kernels advance; seeded per new row
-        rs.total_len.gpu = d.total_len  # [max_num_reqs]
-        rs.num_computed_tokens.gpu = d.engine_num_computed_tokens  # [max_num_reqs]
+        take(rs.total_len, "gpu", d.total_len)  # [max_num_reqs]
+        take(rs.num_computed_tokens, "gpu", d.engine_num_computed_tokens)  # [max_num_reqs]
+        undo.append(bt.init_block_table_layout_tensors)  # (run after the block tables are vLLM's again)
         for g, dev in enumerate(d.block_tables):  # [max_num_reqs, W_g] each
-            bt.block_tables[g].gpu = dev
+            take(bt.block_tables[g], "gpu", dev)
         bt.init_block_table_layout_tensors()  # the kernels' pointer/stride tables
         # what the runner's other parts built before now took references to
         # those arrays (the sampler's logit-bias processor keeps
         # prompt_len.np for min_tokens): the table's in their place
-        _rebind_aliases(runner, replaced, skip=(rs, bt))
+        _rebind_aliases(runner, replaced, skip=(rs, bt), undo=undo)
         self._idx_ring = t._mirror.rows_ring("idx_mapping")  # (idx_mapping() of a dummy run's batch)
         # rows are the table's: vLLM's RequestState.remove_request still
         # returns its row to the free list, which nothing pops any more
-        rs.free_indices = _RowsKeptByTable()
+        take(rs, "free_indices", _RowsKeptByTable())
         # ids finish() freed through the runner's hooks, for apply(); None: a
         # decode step (nobody leaves), applied as the scheduler sent it
         self._freeing: list[str] | None = []
@@ -264,31 +325,93 @@ class ModelRunnerV2State:
         # the sampler's per-step questions, answered for each batch handed out
         # (None: no sampler here, or not exactly vLLM's; it answers itself)
         self.sampler_answers = _sampler.attach(self, getattr(runner, "sampler", None))
+        if self.sampler_answers is not None:
+            undo.append(self.sampler_answers.detach)
+            if self.fallback:
+                self.sampler_answers.failed = self._failed
+            # (rows vLLM writes outside a step, as its dummy sampler run does: counted only if live)
+            self.sampler_answers.row_live = rs.index_to_req_id.__contains__
         self._table_ctx_addr = t._tb_addr  # (the answers' counts read each step's rows there)
+
+    def _give_back_all(self) -> None:
+        # every object taken over is vLLM's again, holding the table's values
+        undo, self._undo = self._undo, []
+        for fn in reversed(undo):
+            fn()
+
+    def release(self) -> None:
+        """Give everything taken over back to vLLM, holding what the table
+        holds (the runner's KV cache is initialized again: its new state
+        takes over from there), and free the table. After this, the
+        runner's request state is vLLM's own."""
+        if self.handed_back is None:
+            self.handed_back = "released"
+        self._give_back_all()
+        self._rows_to_vllm(self.runner.req_states)
+        if self.sampler_answers is not None:
+            self.sampler_answers.detach()
+            self.sampler_answers = None
+        self.table.close()
+
+    def _rows_to_vllm(self, rs) -> None:
+        # vLLM's free list from its dicts (the rows the table assigned)
+        used = set(rs.index_to_req_id)
+        rs.free_indices = [r for r in range(rs.max_num_reqs - 1, -1, -1) if r not in used]
 
     # -- the three runner methods ---------------------------------------------
 
-    def finish(self, scheduler_output) -> None:
+    def finish(self, scheduler_output) -> bool:
         """``finish_requests``: run the runner's per-request removal hooks
         (they need the rows, which stay valid until :meth:`apply`), in sorted
-        id order as vLLM does, so that ranks agree. Unknown ids are ignored."""
-        so = scheduler_output
+        id order as vLLM does, so that ranks agree. Unknown ids are ignored.
+        Returns False where vLLM's own ``finish_requests`` must run instead:
+        mtpstate handed the runner back (:meth:`hand_back`)."""
+        self._applied_at = -1
+        try:
+            self._freeing = leaving = self._leaving(scheduler_output)
+        except Exception as e:  # noqa: BLE001  (never the reason vLLM stops)
+            if not self.fallback:
+                raise
+            self._failed("finish", e)
+            return False
+        if leaving:
+            remove = self.runner._remove_request
+            for req_id in leaving:
+                remove(req_id)  # (vLLM's hooks: their errors are vLLM's)
+        return True
+
+    def _leaving(self, so) -> list[str] | None:
+        # the ids finish() frees, sorted; None: a decode step (nobody leaves)
         fin, pre, new = so.finished_req_ids, so.preempted_req_ids, so.scheduled_new_reqs
-        if not fin and not pre and not new:  # a decode step: nobody leaves
-            self._freeing = None
-            return
-        index = self.runner.req_states.req_id_to_index
+        if not fin and not pre and not new:
+            return None
         gone = set(fin)
         if pre:
             gone.update(pre)
         if new:
             # new ids already live (a streaming-input update): removed first;
             # the intersection runs in C, one lookup per new request
-            gone.update(index.keys() & map(_REQ_ID, new))
-        self._freeing = sorted(gone)
-        remove = self.runner._remove_request
-        for req_id in self._freeing:
-            remove(req_id)
+            gone.update(self.runner.req_states.req_id_to_index.keys() & map(_REQ_ID, new))
+        return sorted(gone)
+
+    def add_requests(self, scheduler_output) -> list[int] | None:
+        """The patched ``add_requests``' call: :meth:`apply`, and the new
+        requests' rows as a list (for the runner's add hooks). None where
+        vLLM's own ``add_requests`` and ``update_requests`` must apply the
+        step: mtpstate handed the runner back before it changed anything
+        (:meth:`hand_back`)."""
+        try:
+            res = self.apply(scheduler_output)
+            return res.new_rows.tolist()
+        except Exception as e:  # noqa: BLE001  (never the reason vLLM stops)
+            if not self.fallback:
+                raise
+            self._failed("add", e)
+            if self.runner.mtpstate is not None:
+                # (the step is applied: its rows for the hooks, vLLM's methods for the rest)
+                rs = self.runner.req_states
+                return [rs.req_id_to_index[r.req_id] for r in scheduler_output.scheduled_new_reqs]
+            return None
 
     def apply(self, scheduler_output) -> StepResult:
         """``add_requests`` + ``update_requests``: apply the step (finish, add,
@@ -301,15 +424,12 @@ class ModelRunnerV2State:
         new = so.scheduled_new_reqs
         answers = self.sampler_answers
         writer = None if answers is None else answers.writer
+        self._so = so
+        self._applied_at = self.table._steps_applied
         if new and writer is not None:
             writer.read(new)  # (their sampling params checked before anything changes)
         # a decode step (finish() found nobody leaving): the step as it is
         res = self.table.apply(so if freeing is None else _Step(freeing, so))
-        if answers is not None:
-            if new or freeing:  # (rows left or arrived: the answers' counts follow)
-                answers.rows_changed(self._table_ctx_addr)
-            if new and writer is not None:
-                writer.arm()
         self._freeing = []
         self._batch = res.batch
         if new:
@@ -321,6 +441,11 @@ class ModelRunnerV2State:
             rs.req_id_to_index.update(zip(req_ids, row_list))
             rs.index_to_req_id.update(zip(row_list, req_ids))
             # (their draft tokens were zeroed by the step's device work)
+        if answers is not None:
+            if new or freeing:  # (rows left or arrived: the answers' counts follow)
+                answers.rows_changed(self._table_ctx_addr)
+            if new and writer is not None:
+                writer.arm()
         return res
 
     def accepts_request_id(self, req_id) -> bool:
@@ -337,7 +462,17 @@ class ModelRunnerV2State:
         ``get_uniform_decode_token_count`` (both passed in, so that this
         module imports no vLLM). The arrays are copied (vLLM's ``InputBatch``
         keeps them past the next step's apply); ``max_seq_len_np`` only with
-        pipeline parallelism and a prefill, as vLLM fills it."""
+        pipeline parallelism and a prefill, as vLLM fills it. None where
+        vLLM's own method must build it (:meth:`hand_back`)."""
+        try:
+            return self._gather(cls, uniform_decode_token_count, use_pp)
+        except Exception as e:  # noqa: BLE001  (never the reason vLLM stops)
+            if not self.fallback:
+                raise
+            self._failed("batch", e)
+            return None
+
+    def _gather(self, cls, uniform_decode_token_count, use_pp):
         b = self._batch
         arrays = b.copy_arrays()
         has_prefill = b.has_prefill
@@ -361,8 +496,17 @@ class ModelRunnerV2State:
         (:class:`StepInputs`): its host arrays computed by the step kernel,
         its device tensors shipped by the step's own device work, every view
         made once per size. None where vLLM's own code must compute them:
-        another batch (a dummy run's), fast prefill, or a number of sampled
-        tokens per step other than the table's."""
+        another batch (a dummy run's), fast prefill, a number of sampled
+        tokens per step other than the table's, or after :meth:`hand_back`."""
+        try:
+            return self._batch_inputs(batch_req_state, num_reqs_padded, num_tokens_padded, bonus, fast_prefill)
+        except Exception as e:  # noqa: BLE001  (never the reason vLLM stops)
+            if not self.fallback:
+                raise
+            self._failed("prepare_inputs", e)
+            return None
+
+    def _batch_inputs(self, batch_req_state, num_reqs_padded, num_tokens_padded, bonus, fast_prefill):
         b = self._batch
         if (
             not self._inputs_on
@@ -450,6 +594,76 @@ class ModelRunnerV2State:
         si.local_pos_zeros = zeros
         return si
 
+    # -- when mtpstate fails: vLLM keeps the request state again ---------------
+
+    def _failed(self, phase: str, error: Exception) -> None:
+        self.hand_back(f"{phase}: {type(error).__name__}: {error}")
+
+    def hand_back(self, reason: str) -> None:
+        """Give the runner's request state back to vLLM for good: vLLM's own
+        bookkeeping is rebuilt from mtpstate's (the id <-> row dicts, the
+        free rows, whole-array uploads of the lengths, the sampler's own
+        methods), and the runner's ``mtpstate`` is set so that vLLM's
+        methods run from here on. If this step was applied already (the
+        table changed), the rest of the step runs vLLM's methods on that
+        state (its device work finished first); if not, vLLM's methods
+        apply the whole step. Logs one WARNING with ``reason``. A device
+        that is unusable is vLLM's to report: its MirrorFaultError is
+        raised."""
+        if self.handed_back is not None:
+            return
+        runner, rs, t = self.runner, self.runner.req_states, self.table
+        applied = 0 <= self._applied_at < t._steps_applied
+        mirror = t._mirror
+        if applied and mirror is not None and mirror._fault is not None:
+            mirror.resync()  # (the step's device work the fault left; unusable: raised, vLLM's to report)
+        if applied and self._so is not None and self._so.scheduled_new_reqs:
+            # (apply may have failed before it told vLLM's dicts)
+            req_ids = [r.req_id for r in self._so.scheduled_new_reqs]
+            rows = t.rows(req_ids).tolist()
+            rs.req_id_to_index.update(zip(req_ids, rows))
+            rs.index_to_req_id.update(zip(rows, req_ids))
+        self._rows_to_vllm(rs)
+        for uva in self._uvas:  # vLLM's whole-array copies again
+            uva.__dict__.pop("copy_to_uva", None)
+        self.handed_back = reason
+        runner._mtpstate_handed_back = self  # (vLLM's arrays and tensors are the table's: kept alive)
+        runner.mtpstate = _StepApplied(runner) if applied else None
+        if self.sampler_answers is not None:
+            self.sampler_answers.failed = None
+            self.sampler_answers.detach()  # (add_request calls noted and not written: vLLM's)
+        logger.warning(
+            "mtpstate: %s; vLLM's own methods keep this runner's request state from %s on, as without "
+            "mtpstate (outputs are unchanged; this runner no longer uses mtpstate)",
+            reason,
+            "the rest of this step" if applied else "this step",
+        )
+
+    def memory(self) -> dict:
+        """What mtpstate holds for this runner, outside vLLM's KV-cache
+        budget: ``host_bytes`` (the table's arrays and index, the sampler's
+        counts), ``pinned_bytes`` (the mirror's page-locked staging) and
+        ``device_bytes`` (the mirror's device tensors and graph pool)."""
+        t = self.table
+        seen = set()
+
+        def arrays(obj):
+            return sum(
+                a.nbytes
+                for a in vars(obj).values()
+                if isinstance(a, np.ndarray) and a.base is None and not (id(a) in seen or seen.add(id(a)))
+            )
+
+        host = arrays(t) + arrays(t._index)
+        if self.sampler_answers is not None:
+            host += arrays(self.sampler_answers) if hasattr(self.sampler_answers, "__dict__") else 0
+        stats = t.transfer_stats()
+        return {
+            "host_bytes": int(host),
+            "pinned_bytes": int(stats.get("pinned_bytes", 0)),
+            "device_bytes": int(stats.get("device_bytes", 0)),
+        }
+
     def idx_mapping(self, idx_mapping_np: np.ndarray):
         """``prepare_inputs``' ``idx_mapping``: the batch -> row mapping as an
         int64 tensor on the runner's device. For the array
@@ -459,12 +673,66 @@ class ModelRunnerV2State:
         buffers instead of a pinned allocation per step (what
         ``async_tensor_h2d`` does). Valid for ``ring_depth`` steps, like
         every per-step input buffer of an async engine."""
-        if idx_mapping_np is self._idx_np:
-            return self.table.device_idx_mapping()
-        return self._idx_ring.upload(idx_mapping_np)
+        try:
+            if idx_mapping_np is self._idx_np:
+                return self.table.device_idx_mapping()
+            return self._idx_ring.upload(idx_mapping_np)
+        except Exception as e:  # noqa: BLE001  (never the reason vLLM stops)
+            if not self.fallback:
+                raise
+            self._failed("prepare_inputs", e)
+            return _to_device(idx_mapping_np, self.runner.device)
 
 
-def _rebind_aliases(runner, replaced: dict, skip) -> int:
+def _give_back(obj, name: str, old, new) -> None:
+    # vLLM's own array or tensor back in place, holding the table's values
+    if type(old) is type(new) and getattr(old, "shape", None) == getattr(new, "shape", None) and old is not new:
+        if isinstance(old, np.ndarray):
+            old[...] = new
+        elif hasattr(old, "copy_"):
+            old.copy_(new)
+    setattr(obj, name, old)
+
+
+def _to_device(a: np.ndarray, device):
+    # (what vLLM's async_tensor_h2d gives: the values as an int64 tensor on the device)
+    import torch
+
+    return torch.from_numpy(np.ascontiguousarray(a, dtype=np.int64)).to(device, non_blocking=True)
+
+
+class _StepApplied:
+    """The runner's ``mtpstate`` for the rest of a step that mtpstate applied
+    before it handed the runner back (:meth:`ModelRunnerV2State.hand_back`):
+    the step's state is in place (vLLM's ``update_requests`` loop must not
+    apply it again), everything else is vLLM's own; the next step's
+    ``finish_requests`` sets ``mtpstate`` to None."""
+
+    def __init__(self, runner):
+        self._runner = runner
+
+    def finish(self, scheduler_output) -> bool:
+        self._runner.mtpstate = None
+        return False
+
+    def add_requests(self, scheduler_output):
+        self._runner.mtpstate = None
+        return None
+
+    def gather_batch_req_state(self, *args, **kwargs):
+        return None
+
+    def batch_inputs(self, *args, **kwargs):
+        return None
+
+    def idx_mapping(self, idx_mapping_np):
+        return _to_device(idx_mapping_np, self._runner.device)
+
+    def accepts_request_id(self, req_id) -> bool:
+        return True
+
+
+def _rebind_aliases(runner, replaced: dict, skip, undo: list | None = None) -> int:
     """Replace, in the objects the runner holds (its attributes' attributes,
     and the items of their lists and tuples: the sampler's processors, ...),
     every attribute that is one of ``replaced``'s old arrays or tensors by
@@ -482,6 +750,8 @@ def _rebind_aliases(runner, replaced: dict, skip) -> int:
                 if hit is not None and hit[0] is value:
                     try:
                         setattr(obj, name, hit[1])
+                        if undo is not None:
+                            undo.append(lambda obj=obj, name=name, old=value: setattr(obj, name, old))
                     except AttributeError:  # (a frozen object: it keeps vLLM's, and says so)
                         logger.warning("mtpstate: %s.%s still refers to vLLM's own array", type(obj).__name__, name)
                         continue

@@ -107,6 +107,7 @@ class MRV2Reference:
         device="cpu",
         sampler=False,
         shadowed=False,
+        fallback=False,
     ):
         import torch
         from vllm.v1.worker.gpu.block_table import BlockTables
@@ -161,10 +162,12 @@ class MRV2Reference:
 
             if not getattr(GPUModelRunner.add_requests, "__mtpstate_patched__", False):
                 raise RuntimeError("the runner is not patched: call load_plugin() first")
+            # fallback False: an error of mtpstate's raises (compared, never
+            # handed back to vLLM); True: as the engine runs it
             if ops is None:
-                self.mtpstate = ModelRunnerV2State.for_runner(self)
+                self.mtpstate = ModelRunnerV2State.for_runner(self, fallback=fallback)
             else:  # a model of a GPU's asynchrony (mtpstate.devices.DeferredOps)
-                self.mtpstate = ModelRunnerV2State(self, ring_depth=2, ops=ops)
+                self.mtpstate = ModelRunnerV2State(self, ring_depth=2, ops=ops, fallback=fallback)
 
     def apply(self, so) -> None:
         self.finish(so)

@@ -110,7 +110,13 @@ def run_table_differential(w: Workload, model_dir: str, check_pickled: bool = Tr
 
 
 def run_runner_differential(
-    w: Workload, model_dir: str, deferred: bool = False, sampler: bool = True, device: str = "cpu"
+    w: Workload,
+    model_dir: str,
+    deferred: bool = False,
+    sampler: bool = True,
+    device: str = "cpu",
+    fault: tuple[str, int] | None = None,
+    between=None,
 ) -> dict:
     """vLLM's unpatched source, mtpstate applied by its plugin through vLLM's
     own ``load_general_plugins()``: the runner's methods as the plugin
@@ -124,7 +130,13 @@ def run_runner_differential(
     asynchrony (its graph path), counted per step (``ops_per_step``: each
     distinct count and how many steps had it), then run before the
     comparison. ``device="cuda"``: both runners on the GPU, vLLM's kernels
-    run for real (what they write is compared by value)."""
+    run for real (what they write is compared by value).
+    ``fault=(phase, k)``: mtpstate runs as the engine runs it (an error of
+    its own hands the runner back to vLLM) and the ``k``-th call of
+    ``phase`` (:mod:`mtpstate.tools.faults`) raises: the runner must agree
+    with vLLM's own on every step all the same (``handed_back``: the step
+    at which it was handed back). ``between(step, ref, patched)``: called
+    before each step (what an engine does to its runner between steps)."""
     load_plugin()
     drv = Driver(w, model_dir)
     args = (w.max_num_seqs, w.max_model_len, w.max_num_batched_tokens, drv.block_sizes, w.num_spec)
@@ -137,11 +149,18 @@ def run_runner_differential(
         ops = DeferredOps(torch, graphs=True)
     on_gpu = device != "cpu"
     ref = MRV2Reference(*args, sampler=sampler, device=device)
-    patched = MRV2Reference(*args, use_mtpstate=True, ops=ops, sampler=sampler, device=device)
-    if patched.mtpstate is None:
+    if fault is not None:
+        from mtpstate.tools import faults
+
+        faults.inject(*fault)
+    patched = MRV2Reference(
+        *args, use_mtpstate=True, ops=ops, sampler=sampler, device=device, fallback=fault is not None
+    )
+    state = patched.mtpstate  # (a build fault: None, vLLM's own methods from the start)
+    if state is None and (fault is None or fault[0] != "build"):
         raise RuntimeError("mtpstate did not attach to the runner")
-    answers = patched.mtpstate.sampler_answers if sampler else None
-    if sampler and answers is None:
+    answers = state.sampler_answers if sampler and state is not None else None
+    if sampler and answers is None and state is not None:
         raise RuntimeError("mtpstate did not attach to vLLM's Sampler")
     sync = synchronizer(device)
     res = _new_result(w.name)
@@ -150,6 +169,10 @@ def run_runner_differential(
     ids_ref = lambda rows: [ref.req_states.index_to_req_id[int(r)] for r in rows]  # noqa: E731
     ids_pat = lambda rows: [patched.req_states.index_to_req_id[int(r)] for r in rows]  # noqa: E731
     for so in drv.steps():
+        if between is not None:
+            between(res["steps"], ref, patched)
+            state = patched.__dict__.get("_mtpstate_live", state)  # (the runner's KV cache initialized again)
+            answers = state.sampler_answers if sampler and state is not None else None
         so2 = pickle.loads(pickle.dumps(so))
         # unseeded requests' seeds are vLLM's draws from numpy's global
         # generator, in add order: the same state before each side's step
@@ -170,8 +193,11 @@ def run_runner_differential(
         vb, pb = ref.gather(so), patched.gather(so2)
         compare_batches(c, vb, ids_ref, pb, ids_pat)
         rows = pb.idx_mapping_np
-        shipped = patched.mtpstate.idx_mapping(rows).tolist()
-        c.add(None, "idx_mapping (the device tensor)", rows.tolist(), shipped, shipped == rows.tolist(), len(rows))
+        if state is not None and state.handed_back is None:
+            shipped = state.idx_mapping(rows).tolist()
+            c.add(None, "idx_mapping (the device tensor)", rows.tolist(), shipped, shipped == rows.tolist(), len(rows))
+        elif "handed_back" not in res:
+            res["handed_back"] = res["steps"]
         # prepare_inputs' results, every other step padded as for a full CUDA graph (requests and tokens)
         n = len(vb.req_ids)
         pad = None if res["steps"] % 2 else (min(n + 3, ref.max_num_reqs), vb.num_tokens + 5)
@@ -180,13 +206,13 @@ def run_runner_differential(
         compare_inputs(c, ib_ref, ids_ref, ib_pat, ids_pat, ref.decode_query_len, kernels_ran=on_gpu)
         if sampler:
             compare_sampler(c, ref, ib_ref, patched, ib_pat, launches=not on_gpu)
-            res["sampler_answered"] += answers.idx is ib_pat.idx_mapping_np
+            res["sampler_answered"] += answers is not None and answers.idx is ib_pat.idx_mapping_np
         _record(res, c)
     if ops is not None:
         res["ops_per_step"] = dict(per_step)
-    if sampler:  # (batches answered: of them, from the counts over the live rows)
+    if answers is not None:  # (batches answered: of them, from the counts over the live rows)
         res["sampler_batches"], res["sampler_from_counts"] = answers.computed, answers.from_counts
-    if sampler and answers.writer is not None:
+    if answers is not None and answers.writer is not None:
         res["sampler_params_written"], res["sampler_params_by_vllm"] = answers.writer.written, answers.writer.by_vllm
         up = answers.writer.uploads
         res["sampler_uploads"] = None if up is None else up.uploads

@@ -79,11 +79,15 @@ def attach(state, sampler) -> SamplerAnswers | None:
     a.writer = (
         None if _writer_reason(sampler) is not None else SamplingParamsWriter(sampler, R, sampler.add_request, guard)
     )
-    if a.writer is not None:
-        uvas = _uva_tensors(sampler)
-        if _uploads_reason(uvas, R) is None:
-            a.writer.uploads = SamplerUploads(uvas, R)
-    _bind(sampler, a)
+    try:
+        if a.writer is not None:
+            uvas = _uva_tensors(sampler)
+            if _uploads_reason(uvas, R) is None:
+                a.writer.uploads = SamplerUploads(uvas, R)
+        _bind(sampler, a)
+    except BaseException:
+        a.detach()  # (what was bound: vLLM's again)
+        raise
     return a
 
 

@@ -35,6 +35,9 @@ class SamplerAnswers:
         "max_num_bad_words",
         "computed",
         "writer",
+        "bound",
+        "failed",
+        "row_live",
         "_arrays",
         "_records",
         "_row_state",
@@ -61,7 +64,26 @@ class SamplerAnswers:
         self._addr = ctx.ctypes.data
         self.idx = None
         self.writer = None  # the SamplingParamsWriter, if new requests' params are written here
+        self.bound = []  # (object, name): each wrapper bound on the sampler's objects
+        self.failed = None  # failed(phase, error): an error of the writes hands the sampler back (None: raised)
+        self.row_live = None  # row_live(row): whether a request holds the row (None: every row counts)
         self.computed = 0  # steps answered (tests, stats)
+
+    def detach(self) -> None:
+        """Hand the sampler back to vLLM: the add_request calls noted and not
+        yet written go to vLLM's ``add_request`` (in order, so that seeds are
+        drawn as vLLM draws them), every wrapper is removed (vLLM's methods
+        answer, write and upload again), and the arrays' device side is
+        copied whole, as vLLM's ``copy_to_uva`` does."""
+        bound, self.bound = self.bound, []
+        self.idx = None
+        w = self.writer
+        if w is not None:
+            w.hand_over()
+        for obj, name in reversed(bound):
+            obj.__dict__.pop(name, None)
+        if w is not None and w.uploads is not None:
+            w.uploads.detach()
 
     @property
     def from_counts(self) -> int:

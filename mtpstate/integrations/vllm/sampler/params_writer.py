@@ -58,6 +58,7 @@ class SamplingParamsWriter:
         self._armed = False
         self._reqs = None  # the step's new requests (held: the stash has their params' addresses)
         self._n_read = 0
+        self._flushed = 0  # noted calls written so far by the flush in progress
         self._fast_type = None
         self._bitgen = None
         self.written = 0  # requests written here (stats, tests)
@@ -123,6 +124,16 @@ class SamplingParamsWriter:
         self._sps.append(sampling_params)
         return True
 
+    def hand_over(self) -> None:
+        """The noted add_request calls not yet written, by vLLM's
+        ``add_request`` (in order); nothing is noted after this."""
+        self._armed = False
+        rows, sps = self._rows[self._flushed :], self._sps[self._flushed :]
+        self._rows, self._sps, self._flushed, self._reqs = [], [], 0, None
+        for row, sp in zip(rows, sps):
+            self._orig_add_request(row, sp)
+            self.by_vllm += 1
+
     def _write(self, rows, sps, k, i, cursor, next_u64, state):
         g = self._guard
         if g is not None:
@@ -153,6 +164,7 @@ class SamplingParamsWriter:
                 while i < k:
                     start = i
                     i, n_pen, cursor = self._write(rows, sps, k, i, cursor, next_u64, state)
+                    self._flushed = i
                     self.written += i - start
                     if n_pen:
                         self._pen_rows.extend(self._pen[:n_pen].tolist())
@@ -160,12 +172,18 @@ class SamplingParamsWriter:
                         self._orig_add_request(rows[i], sps[i])
                         self.by_vllm += 1
                         i += 1
-        finally:
+                        self._flushed = i
+        except Exception:
+            # (rows from _flushed on are still noted: hand_over writes them)
             if self.uploads is not None:
-                self.uploads.mark(rows)  # (written here or by vLLM's add_request)
-            rows.clear()
-            sps.clear()
-            self._reqs = None
+                self.uploads.mark(rows[: self._flushed])
+            raise
+        if self.uploads is not None:
+            self.uploads.mark(rows)  # (written here or by vLLM's add_request)
+        rows.clear()
+        sps.clear()
+        self._flushed = 0
+        self._reqs = None
 
 
 # CPython's member descriptor (Objects/descrobject.c): PyDescr_COMMON

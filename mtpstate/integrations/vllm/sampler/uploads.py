@@ -62,6 +62,13 @@ class SamplerUploads:
             u.copy_to_uva = _Uploaded(self, u)
         self.uploads = 0  # slots filled (stats, tests)
 
+    def detach(self) -> None:
+        """vLLM's ``copy_to_uva`` again, after one whole-array copy of each
+        array (its device side current whatever was marked)."""
+        for u in self._uvas:
+            u.__dict__.pop("copy_to_uva", None)
+            u.copy_to_uva()
+
     def mark(self, rows: list) -> None:
         """These rows (a list of ints) were written."""
         _P.sp_mark(self._addr, id(rows), len(rows))

@@ -15,11 +15,17 @@ _K_NO_LOGPROBS = -1  # vLLM's NO_LOGPROBS (sample/states.py)
 
 
 def _bind(sampler, a: SamplerAnswers) -> None:
-    """Every wrapper, on the sampler's own objects."""
+    """Every wrapper, on the sampler's own objects (each noted in
+    ``a.bound``, for :meth:`SamplerAnswers.detach`)."""
     _bind_writes(sampler, a)
     _bind_questions(sampler, a)
     _bind_processing(sampler, a)
     _bind_processors(sampler, a)
+
+
+def _set(a: SamplerAnswers, obj, name: str, wrapper) -> None:
+    a.bound.append((obj, name))
+    setattr(obj, name, wrapper)
 
 
 def _bind_writes(sampler, a: SamplerAnswers) -> None:
@@ -39,7 +45,10 @@ def _bind_writes(sampler, a: SamplerAnswers) -> None:
         try:
             return orig_add_request(req_idx, sampling_params)
         finally:
-            a.row_written(req_idx)  # (a new row of the step is counted already)
+            # (a new row of the step is counted already; a row no request
+            # holds, as the dummy sampler run writes, is counted when one does)
+            if a.row_live is None or a.row_live(req_idx):
+                a.row_written(req_idx)
             if w is not None and w.uploads is not None:
                 w.uploads.mark([req_idx])  # (a row it cannot read marks every row)
 
@@ -47,11 +56,16 @@ def _bind_writes(sampler, a: SamplerAnswers) -> None:
 
     def apply_staged_writes():
         if w is not None:
-            w.flush()
+            try:
+                w.flush()
+            except Exception as e:
+                if a.failed is None:
+                    raise
+                a.failed("the sampler's writes", e)  # (detached: the rows not written go to vLLM's add_request)
         return orig_apply_staged_writes()
 
-    sampler.add_request = add_request
-    sampler.apply_staged_writes = apply_staged_writes
+    _set(a, sampler, "add_request", add_request)
+    _set(a, sampler, "apply_staged_writes", apply_staged_writes)
 
 
 def _bind_questions(sampler, a: SamplerAnswers) -> None:
@@ -114,12 +128,12 @@ def _bind_questions(sampler, a: SamplerAnswers) -> None:
             return orig_max_num_token_ids(idx_mapping_np)
         return a.max_num_token_ids
 
-    sampler.get_logprobs_dims = get_logprobs_dims
-    ss.any_greedy = flag_of(ss, "any_greedy", _K.SP_ANY_GREEDY)
-    ss.any_explicit_seed = flag_of(ss, "any_explicit_seed", _K.SP_ANY_SEED)
-    ss.max_num_logprobs = max_num_logprobs
-    ss.get_top_k_top_p = get_top_k_top_p
-    lpt.max_num_token_ids = max_num_token_ids
+    _set(a, sampler, "get_logprobs_dims", get_logprobs_dims)
+    _set(a, ss, "any_greedy", flag_of(ss, "any_greedy", _K.SP_ANY_GREEDY))
+    _set(a, ss, "any_explicit_seed", flag_of(ss, "any_explicit_seed", _K.SP_ANY_SEED))
+    _set(a, ss, "max_num_logprobs", max_num_logprobs)
+    _set(a, ss, "get_top_k_top_p", get_top_k_top_p)
+    _set(a, lpt, "max_num_token_ids", max_num_token_ids)
 
 
 def _bind_processing(sampler, a: SamplerAnswers) -> None:
@@ -186,9 +200,9 @@ def _bind_processing(sampler, a: SamplerAnswers) -> None:
 
         return apply
 
-    sampler.apply_sampling_params = apply_sampling_params
-    ss.apply_temperature = launch_if("apply_temperature", _K.SP_TEMPERATURE, "temperature")
-    ss.apply_min_p = launch_if("apply_min_p", _K.SP_MIN_P, "min_p")
+    _set(a, sampler, "apply_sampling_params", apply_sampling_params)
+    _set(a, ss, "apply_temperature", launch_if("apply_temperature", _K.SP_TEMPERATURE, "temperature"))
+    _set(a, ss, "apply_min_p", launch_if("apply_min_p", _K.SP_MIN_P, "min_p"))
 
 
 def _bind_processors(sampler, a: SamplerAnswers) -> None:
@@ -247,7 +261,7 @@ def _bind_processors(sampler, a: SamplerAnswers) -> None:
             return None
         return orig_tb_apply(logits, ctx)
 
-    pen.apply = penalties_apply
-    lb.apply = logit_bias_apply
-    bw.apply = bad_words_apply
-    tb.apply = thinking_budget_apply
+    _set(a, pen, "apply", penalties_apply)
+    _set(a, lb, "apply", logit_bias_apply)
+    _set(a, bw, "apply", bad_words_apply)
+    _set(a, tb, "apply", thinking_budget_apply)
