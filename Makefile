@@ -6,7 +6,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: test test-slow test-nojit test-min test-vllm test-engine bench bench-suite bench-vllm gpu-check lint clean
+.PHONY: test test-slow test-nojit test-min test-vllm test-engine bench bench-suite bench-vllm gpu-check gpu-bundle gpu-acceptance test-gpu-bundle lint clean
 
 # vLLM tier, for each supported release (mtpstate/integrations/vllm/releases/):
 # its unpacked sdist (nothing built) + the pure-Python deps of them all; a
@@ -89,9 +89,16 @@ VLLM_TIERS := $(addprefix test-vllm-,$(VLLM_RELEASES))
 test-vllm: $(VSTAMP) $(PATCHED_STAMPS)
 	@$(MAKE) --no-print-directory -j$(VLLM_JOBS) --output-sync=target $(VLLM_TIERS)
 
+# vLLM's own tests run with the plugin, the patch and the shadow on the
+# newest release; on the older ones with the plugin and the shadow (the
+# patch is the text the plugin compiles into the runner: the same code for
+# those tests, and vllm_proof/test_vllm_plugin.py checks the two are one)
+own_modes = $(if $(filter $(1),$(firstword $(VLLM_RELEASES))),plugin$(comma)patch$(comma)shadow,plugin$(comma)shadow)
+comma := ,
+
 $(VLLM_TIERS): test-vllm-%: $(VSTAMP) $(VLLM_DIR)/vllm-%-mtpstate/.patched
 	@start=$$(date +%s); echo "== vLLM $*"; \
-	$(VPY) vllm_proof/vllm_own_tests.py $(VLLM_DIR)/vllm-$* $(VLLM_DIR)/vllm-$*-mtpstate && \
+	$(VPY) vllm_proof/vllm_own_tests.py $(VLLM_DIR)/vllm-$* $(VLLM_DIR)/vllm-$*-mtpstate --modes $(call own_modes,$*) && \
 	MTPSTATE_VLLM_PATCHED=$(CURDIR)/$(VLLM_DIR)/vllm-$*-mtpstate PYTHONPATH=$(CURDIR)/$(VLLM_DIR)/vllm-$* \
 	  VLLM_LOGGING_LEVEL=ERROR $(VPY) -m pytest -q -p no:cacheprovider vllm_proof && \
 	echo "== vLLM $*: tier passed in $$(( $$(date +%s) - start )) s"
@@ -106,13 +113,17 @@ $(VLLM_TIERS): test-vllm-%: $(VSTAMP) $(VLLM_DIR)/vllm-%-mtpstate/.patched
 # its torch build (a text model needs none of them).
 EVENV := .venv-engine
 EPY := $(EVENV)/bin/python
+EDEPS := $(EVENV)/.deps
 ESTAMP := $(EVENV)/.installed
 
-$(ESTAMP): pyproject.toml engine_proof/requirements.txt
+$(EDEPS): engine_proof/requirements.txt
 	test -x $(EPY) || $(PYTHON) -m venv $(EVENV)
 	$(EPY) -m pip install -q --upgrade pip
 	$(EPY) -m pip install -q -r engine_proof/requirements.txt
 	$(EPY) -m pip uninstall -q -y torchvision torchaudio torchcodec
+	touch $(EDEPS)
+
+$(ESTAMP): pyproject.toml $(EDEPS)
 	$(EPY) -m pip install -q --no-deps -e .
 	touch $(ESTAMP)
 
@@ -142,6 +153,42 @@ bench-vllm: $(VSTAMP)
 gpu-check:
 	$(PYTHON) gpu_acceptance/gpu_check.py $(if $(wildcard $(VLLM_SRC)/vllm/v1),--vllm-src $(VLLM_SRC))
 
+# The GPU acceptance run for a machine without network (its image has
+# torch, numba, pytest; see gpu_acceptance/acceptance.py): gpu-bundle
+# writes what it lacks (vLLM's source per bundled release, the wheels of
+# vLLM's requirements it does not have; at most 60 MiB) to gpu-bundle/;
+# gpu_acceptance/run.sh OUT installs it offline and runs every part.
+# gpu-acceptance OUT=DIR: the same from a fresh clone, with network.
+GPU_BUNDLE := gpu-bundle
+OUT ?= gpu-acceptance-out
+
+gpu-bundle:
+	$(PYTHON) gpu_acceptance/bundle.py $(GPU_BUNDLE)
+
+gpu-acceptance: gpu-bundle
+	gpu_acceptance/run.sh $(OUT) $(GPU_BUNDLE)
+
+# CI: the bundle installed offline into a stand-in of the image (Python
+# 3.12, the image's versions: gpu_acceptance/image-requirements.txt) and
+# run.sh run there on the CPU: the CUDA parts skip, saying so, and
+# vllm-verify --quick must pass on every bundled release
+PY312 ?= $(firstword $(wildcard $(HOME)/.pyenv/versions/3.12*/bin/python3.12) $(shell command -v python3.12))
+IVENV := .venv-image
+ISTAMP := $(IVENV)/.installed
+
+$(ISTAMP): gpu_acceptance/image-requirements.txt
+	test -x $(IVENV)/bin/python || $(PY312) -m venv $(IVENV)
+	$(IVENV)/bin/python -m pip install -q --upgrade pip
+	$(IVENV)/bin/python -m pip install -q -r gpu_acceptance/image-requirements.txt
+	touch $(ISTAMP)
+
+test-gpu-bundle: $(ISTAMP) gpu-bundle
+	@start=$$(date +%s); echo "== the GPU bundle, installed offline on a stand-in of the image (CPU)"; \
+	rm -rf $(OUT); PYTHON=$(CURDIR)/$(IVENV)/bin/python gpu_acceptance/run.sh $(OUT) $(GPU_BUNDLE); \
+	rc=$$?; cat $(OUT)/summary.txt; \
+	GPU_ACCEPTANCE_OUT=$(CURDIR)/$(OUT) $(IVENV)/bin/python -m pytest -q -p no:cacheprovider gpu_acceptance/test_run_on_cpu.py || rc=1; \
+	echo "== the GPU bundle: $$(( $$(date +%s) - start )) s"; exit $$rc
+
 bench: $(STAMP)
 	$(VENV)/bin/mtpstate bench
 
@@ -149,8 +196,8 @@ bench-suite: $(STAMP)
 	$(PY) -m pytest benchmarks
 
 lint: $(STAMP)
-	$(VENV)/bin/ruff check mtpstate tests benchmarks
-	$(VENV)/bin/ruff format --check mtpstate tests benchmarks
+	$(VENV)/bin/ruff check mtpstate tests benchmarks gpu_acceptance engine_proof
+	$(VENV)/bin/ruff format --check mtpstate tests benchmarks gpu_acceptance engine_proof
 
 clean:
-	rm -rf $(VENV) $(VVENV) $(MVENV) $(EVENV) $(VLLM_DIR) build *.egg-info
+	rm -rf $(VENV) $(VVENV) $(MVENV) $(EVENV) $(IVENV) $(VLLM_DIR) $(GPU_BUNDLE) build *.egg-info

