@@ -11,8 +11,9 @@ when the module is).
 
 from __future__ import annotations
 
-import importlib.abc
 import sys
+
+from mtpstate._after_import import AfterImport
 
 __all__ = ["PHASES", "InjectedFault", "inject"]
 
@@ -60,36 +61,4 @@ def inject(phase: str, k: int = 3) -> None:
     if module in sys.modules:
         _wrap(sys.modules[module], qualname, k)
     else:
-        sys.meta_path.insert(0, _OnImport(module, qualname, k))
-
-
-class _OnImport(importlib.abc.MetaPathFinder):
-    def __init__(self, module: str, qualname: str, k: int):
-        self.module, self.qualname, self.k = module, qualname, k
-
-    def find_spec(self, fullname, path, target=None):
-        if fullname != self.module:
-            return None
-        for finder in sys.meta_path:
-            if finder is self or not hasattr(finder, "find_spec"):
-                continue
-            spec = finder.find_spec(fullname, path, target)
-            if spec is not None and spec.loader is not None and hasattr(spec.loader, "exec_module"):
-                spec.loader = _Loader(spec.loader, self)
-                return spec
-        return None
-
-
-class _Loader(importlib.abc.Loader):
-    def __init__(self, inner, finder: _OnImport):
-        self._inner, self._finder = inner, finder
-
-    def create_module(self, spec):
-        return self._inner.create_module(spec)
-
-    def exec_module(self, module):
-        self._inner.exec_module(module)
-        f = self._finder
-        if f in sys.meta_path:
-            sys.meta_path.remove(f)
-        _wrap(module, f.qualname, f.k)
+        AfterImport(module, lambda m: _wrap(m, qualname, k), once=True).install()

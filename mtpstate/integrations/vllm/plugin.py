@@ -27,7 +27,6 @@ worker imports it lazily; the API server never does).
 from __future__ import annotations
 
 import importlib
-import importlib.abc
 import importlib.util
 import linecache
 import logging
@@ -36,6 +35,7 @@ import sys
 import threading
 from dataclasses import dataclass, field
 
+from mtpstate._after_import import AfterImport
 from mtpstate.integrations.vllm import _source
 from mtpstate.integrations.vllm.releases import RELEASES
 
@@ -409,36 +409,12 @@ def shadow(module=None) -> Verdict:
         return v
 
 
-class _PatchOnImport(importlib.abc.MetaPathFinder):
+class _PatchOnImport(AfterImport):
     """Applies the patch right after ``vllm.v1.worker.gpu.model_runner`` is
     executed (workers import it lazily, after the plugins are loaded)."""
 
-    def find_spec(self, fullname, path, target=None):
-        if fullname != RUNNER_MODULE:
-            return None
-        for finder in sys.meta_path:
-            if finder is self or not hasattr(finder, "find_spec"):
-                continue
-            spec = finder.find_spec(fullname, path, target)
-            if spec is not None and spec.loader is not None and hasattr(spec.loader, "exec_module"):
-                spec.loader = _Loader(spec.loader)
-                return spec
-        return None
-
-
-class _Loader(importlib.abc.Loader):
-    def __init__(self, inner):
-        self._inner = inner
-
-    def create_module(self, spec):
-        return self._inner.create_module(spec)
-
-    def exec_module(self, module):
-        self._inner.exec_module(module)
-        _apply_safely(module)
-
-    def __getattr__(self, name):  # get_source, get_code, ... for tools that ask the loader
-        return getattr(self._inner, name)
+    def __init__(self):
+        super().__init__(RUNNER_MODULE, _apply_safely)
 
 
 def _apply_safely(module) -> None:
