@@ -1,9 +1,11 @@
 """`make test-vllm`, the engine's life around the steps, on the release's
 real runner methods, RequestState, BlockTables and Sampler: the KV cache
 initialized again (one live state, the sampler's wrappers one level deep,
-the old state given back), and the dummy sampler run's writes between steps
-(rows no request holds: nothing mtpstate counts changes); the runner
-differential agrees with vLLM's own methods on every step all the same."""
+the old state given back: as after a profiling build and the real one),
+a dummy run's batch between steps (nothing the table keeps changes), and
+the dummy sampler run's writes (rows no request holds: nothing mtpstate
+counts changes); the runner differential agrees with vLLM's own methods
+on every step all the same."""
 
 import json
 import os
@@ -24,7 +26,11 @@ CODE = textwrap.dedent(
     from mtpstate.tools.vllm_verify.runs import run_runner_differential
 
     install_cpu_shims()
-    seen = {"dummy_writes": 0, "counts_unchanged": True}
+    seen = {"dummy_writes": 0, "counts_unchanged": True, "dummy_batches": 0, "table_unchanged": True}
+
+    def table_state(state):
+        t = state.table
+        return [t._state.copy(), t._index._ctx.copy(), *(b.copy() for b in t.block_tables)]
 
     def between(step, ref, patched):
         if step == 0:
@@ -40,6 +46,19 @@ CODE = textwrap.dedent(
                 "copy_to_uva" not in vars(u) or type(vars(u)["copy_to_uva"]).__name__ == "_Uploaded"
                 for u in second.sampler_answers.writer.uploads._uvas
             )
+        if step in (7, 15, 30):
+            # a dummy run's batch (_dummy_run, profile_run, capture_model):
+            # prepare_inputs asks mtpstate for its inputs and idx_mapping
+            from types import SimpleNamespace
+
+            state = patched.mtpstate
+            before = table_state(state)
+            rows = np.arange(min(3, patched.req_states.max_num_reqs), dtype=np.int32)
+            dummy = SimpleNamespace(idx_mapping_np=rows)
+            assert state.batch_inputs(dummy, len(rows), 16, 1, None) is None
+            assert state.idx_mapping(rows).tolist() == rows.tolist()
+            seen["dummy_batches"] += 1
+            seen["table_unchanged"] &= all(np.array_equal(x, y) for x, y in zip(before, table_state(state)))
         if step in (5, 12, 21):
             # _dummy_sampler_run's writes (warm-up params into rows 0..n-1):
             # here the rows no request holds, on both sides
@@ -76,3 +95,4 @@ def test_reinitialized_kv_cache_and_dummy_sampler_writes():
     assert r["old_released"] == "released" and r["live_is_new"], r
     assert r["wrappers_one_level"] and r["uploads_one_level"], r
     assert r["dummy_writes"] > 0 and r["counts_unchanged"], r
+    assert r["dummy_batches"] == 3 and r["table_unchanged"], r
