@@ -158,15 +158,17 @@ gpu-check:
 # writes what it lacks (vLLM's source per bundled release, the wheels of
 # vLLM's requirements it does not have; at most 60 MiB) to gpu-bundle/;
 # gpu_acceptance/run.sh OUT installs it offline and runs every part.
-# gpu-acceptance OUT=DIR: the same from a fresh clone, with network.
+# gpu-acceptance OUT=DIR: the same from a fresh clone, with network, for
+# the Python that runs it (PYTHON: the one with torch, numba and pytest).
 GPU_BUNDLE := gpu-bundle
 OUT ?= gpu-acceptance-out
 
 gpu-bundle:
 	$(PYTHON) gpu_acceptance/bundle.py $(GPU_BUNDLE)
 
-gpu-acceptance: gpu-bundle
-	gpu_acceptance/run.sh $(OUT) $(GPU_BUNDLE)
+gpu-acceptance:
+	$(PYTHON) gpu_acceptance/bundle.py $(GPU_BUNDLE)-local --python $$($(PYTHON) -c 'import sys; print("%d.%d" % sys.version_info[:2])')
+	PYTHON=$(PYTHON) gpu_acceptance/run.sh $(OUT) $(GPU_BUNDLE)-local
 
 # CI: the bundle installed offline into a stand-in of the image (Python
 # 3.12, the image's versions: gpu_acceptance/image-requirements.txt) and

@@ -5,14 +5,15 @@ folder of at most 60 MiB:
 - ``vllm-<release>.tar.xz``: the Python package of each bundled vLLM
   release (its sdist's ``vllm/``, unpacked by ``vllm_proof/fetch_vllm.py``
   from the package index, sha256-pinned; nothing built);
-- ``wheels/``: ``bundle-requirements.txt``, for CPython 3.12, manylinux
-  x86_64 (or pure Python / abi3), fetched with ``--no-deps``;
+- ``wheels/``: ``bundle-requirements.txt``, for CPython 3.12 (``--python``),
+  manylinux x86_64 (or pure Python / abi3), fetched with ``--no-deps``;
 - ``manifest.json``: what is in it, each file's size and sha256.
 
 mtpstate itself is the working tree, which travels with the run anyway.
 
-Usage: ``python gpu_acceptance/bundle.py [OUT] [--vllm-dir DIR]`` (default
-``gpu-bundle``, ``.vllm``). Standard library and pip only.
+Usage: ``python gpu_acceptance/bundle.py [OUT] [--vllm-dir DIR] [--python
+X.Y]`` (default ``gpu-bundle``, ``.vllm``, ``3.12``: the GPU image's
+Python). Standard library and pip only.
 """
 
 from __future__ import annotations
@@ -59,16 +60,17 @@ def _pack(src: str, dest: str) -> None:
     os.replace(tmp, dest)
 
 
-def _wheels(dest: str) -> None:
+def _wheels(dest: str, python: str) -> None:
+    abi = "cp" + python.replace(".", "")
     cmd = [sys.executable, "-m", "pip", "download", "--quiet", "--no-deps", "--only-binary", ":all:"]
-    cmd += ["--python-version", "3.12", "--implementation", "cp", "--abi", "cp312", "--abi", "abi3", "--abi", "none"]
+    cmd += ["--python-version", python, "--implementation", "cp", "--abi", abi, "--abi", "abi3", "--abi", "none"]
     for p in PLATFORMS:
         cmd += ["--platform", p]
     cmd += ["-d", dest, "-r", os.path.join(HERE, "bundle-requirements.txt")]
     subprocess.run(cmd, check=True)
 
 
-def build(out: str, vllm_dir: str) -> dict:
+def build(out: str, vllm_dir: str, python: str = "3.12") -> dict:
     missing = [r for r in RELEASES if not os.path.isdir(os.path.join(vllm_dir, f"vllm-{r}", "vllm"))]
     if missing:
         subprocess.run(
@@ -77,7 +79,7 @@ def build(out: str, vllm_dir: str) -> dict:
     os.makedirs(out, exist_ok=True)
     wheels = os.path.join(out, "wheels")
     shutil.rmtree(wheels, ignore_errors=True)
-    _wheels(wheels)
+    _wheels(wheels, python)
     for r in RELEASES:
         dest = os.path.join(out, f"vllm-{r}.tar.xz")
         if not os.path.exists(dest):
@@ -90,22 +92,26 @@ def build(out: str, vllm_dir: str) -> dict:
             if rel != "manifest.json":
                 files[rel] = {"bytes": os.path.getsize(path), "sha256": _sha256(path)}
     total = sum(f["bytes"] for f in files.values())
-    manifest = {"releases": list(RELEASES), "python": "3.12", "bytes": total, "files": files}
+    manifest = {"releases": list(RELEASES), "python": python, "bytes": total, "files": files}
     with open(os.path.join(out, "manifest.json"), "w") as f:
         json.dump(manifest, f, indent=1)
     return manifest
 
 
 def main(argv: list[str]) -> int:
-    out, vllm_dir = "gpu-bundle", os.path.join(ROOT, ".vllm")
+    out, vllm_dir, python = "gpu-bundle", os.path.join(ROOT, ".vllm"), "3.12"
     args = list(argv)
-    if "--vllm-dir" in args:
-        i = args.index("--vllm-dir")
-        vllm_dir = args[i + 1]
-        del args[i : i + 2]
+    for flag in ("--vllm-dir", "--python"):
+        if flag in args:
+            i = args.index(flag)
+            if flag == "--python":
+                python = args[i + 1]
+            else:
+                vllm_dir = args[i + 1]
+            del args[i : i + 2]
     if args:
         out = args[0]
-    m = build(os.path.abspath(out), os.path.abspath(vllm_dir))
+    m = build(os.path.abspath(out), os.path.abspath(vllm_dir), python)
     mib = m["bytes"] / 2**20
     n_wheels = sum(1 for k in m["files"] if k.startswith("wheels"))
     print(f"gpu-bundle: {out}: vLLM {', '.join(m['releases'])} and {n_wheels} wheels, {mib:.1f} MiB")
