@@ -1,5 +1,6 @@
 """A vLLM release's own unit tests for the worker and Model Runner V2, run on CPU
-four ways; exactly the tests that pass without mtpstate must pass with it.
+up to four ways (``--modes``: which of 2-4); exactly the tests that pass
+without mtpstate must pass with it.
 
 1. vLLM's unpatched source (the baseline);
 2. the same source with vLLM's general plugins loaded first and
@@ -11,7 +12,7 @@ four ways; exactly the tests that pass without mtpstate must pass with it.
 Some of these tests fail on CPU with or without mtpstate (no CUDA, no
 Triton, optional packages, no model hub): pass sets are compared, not totals.
 
-Usage: python vllm_proof/vllm_own_tests.py SRC PATCHED_SRC [--json FILE]
+Usage: python vllm_proof/vllm_own_tests.py SRC PATCHED_SRC [--modes plugin,patch,shadow] [--json FILE]
 """
 
 from __future__ import annotations
