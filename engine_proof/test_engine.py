@@ -23,6 +23,9 @@ import pytest
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 SITE = os.path.join(HERE, "site")
+sys.path.insert(0, HERE)
+
+from driver import FAULT_MARK  # noqa: E402  (where each fault's run begins in the driver's log)
 
 # how many calls into each phase before the fault, so that it lands in the
 # middle of the mix (the step functions run every step; the others on steps
@@ -154,8 +157,7 @@ def test_a_fault_in_each_phase_leaves_vllm_serving(off, faulted, phase):
     got, log = faulted
     assert got["faults"][phase] == off[0]["configs"]["mix"]["mix"]
     # what the engine logged while this fault's engine ran
-    mark = "== engine tier: fault "
-    runs = {part.split("\n", 1)[0]: part for part in log.split(mark)[1:]}
+    runs = {part.split("\n", 1)[0]: part for part in log.split(FAULT_MARK)[1:]}
     warned = _warnings(runs[phase])
     assert len(warned) == 1, warned
     assert "InjectedFault" in warned[0], warned[0]

@@ -353,6 +353,12 @@ class ModelRunnerV2State:
             self.sampler_answers = None
         self.table.close()
 
+    def _rows_added(self, req_ids: list, rows: list) -> None:
+        # vLLM's id <-> row dicts, updated by C loops (no Python frame per request)
+        rs = self.runner.req_states
+        rs.req_id_to_index.update(zip(req_ids, rows))
+        rs.index_to_req_id.update(zip(rows, req_ids))
+
     def _rows_to_vllm(self, rs) -> None:
         # vLLM's free list from its dicts (the rows the table assigned)
         used = set(rs.index_to_req_id)
@@ -370,8 +376,6 @@ class ModelRunnerV2State:
         try:
             self._freeing = leaving = self._leaving(scheduler_output)
         except Exception as e:  # noqa: BLE001  (never the reason vLLM stops)
-            if not self.fallback:
-                raise
             self._failed("finish", e)
             return False
         if leaving:
@@ -404,8 +408,6 @@ class ModelRunnerV2State:
             res = self.apply(scheduler_output)
             return res.new_rows.tolist()
         except Exception as e:  # noqa: BLE001  (never the reason vLLM stops)
-            if not self.fallback:
-                raise
             self._failed("add", e)
             if self.runner.mtpstate is not None:
                 # (the step is applied: its rows for the hooks, vLLM's methods for the rest)
@@ -433,14 +435,8 @@ class ModelRunnerV2State:
         self._freeing = []
         self._batch = res.batch
         if new:
-            rs = self.runner.req_states
-            rows = res.new_rows
-            # vLLM's id <-> row dicts, updated by C loops (no Python frame per request)
-            req_ids = list(map(_REQ_ID, new))
-            row_list = rows.tolist()
-            rs.req_id_to_index.update(zip(req_ids, row_list))
-            rs.index_to_req_id.update(zip(row_list, req_ids))
             # (their draft tokens were zeroed by the step's device work)
+            self._rows_added(list(map(_REQ_ID, new)), res.new_rows.tolist())
         if answers is not None:
             if new or freeing:  # (rows left or arrived: the answers' counts follow)
                 answers.rows_changed(self._table_ctx_addr)
@@ -467,8 +463,6 @@ class ModelRunnerV2State:
         try:
             return self._gather(cls, uniform_decode_token_count, use_pp)
         except Exception as e:  # noqa: BLE001  (never the reason vLLM stops)
-            if not self.fallback:
-                raise
             self._failed("batch", e)
             return None
 
@@ -501,8 +495,6 @@ class ModelRunnerV2State:
         try:
             return self._batch_inputs(batch_req_state, num_reqs_padded, num_tokens_padded, bonus, fast_prefill)
         except Exception as e:  # noqa: BLE001  (never the reason vLLM stops)
-            if not self.fallback:
-                raise
             self._failed("prepare_inputs", e)
             return None
 
@@ -597,6 +589,9 @@ class ModelRunnerV2State:
     # -- when mtpstate fails: vLLM keeps the request state again ---------------
 
     def _failed(self, phase: str, error: Exception) -> None:
+        # (called while handling ``error``: raised again unless the runner falls back to vLLM)
+        if not self.fallback:
+            raise error
         self.hand_back(f"{phase}: {type(error).__name__}: {error}")
 
     def hand_back(self, reason: str) -> None:
@@ -619,10 +614,8 @@ class ModelRunnerV2State:
             mirror.resync()  # (the step's device work the fault left; unusable: raised, vLLM's to report)
         if applied and self._so is not None and self._so.scheduled_new_reqs:
             # (apply may have failed before it told vLLM's dicts)
-            req_ids = [r.req_id for r in self._so.scheduled_new_reqs]
-            rows = t.rows(req_ids).tolist()
-            rs.req_id_to_index.update(zip(req_ids, rows))
-            rs.index_to_req_id.update(zip(rows, req_ids))
+            req_ids = list(map(_REQ_ID, self._so.scheduled_new_reqs))
+            self._rows_added(req_ids, t.rows(req_ids).tolist())
         self._rows_to_vllm(rs)
         for uva in self._uvas:  # vLLM's whole-array copies again
             uva.__dict__.pop("copy_to_uva", None)
@@ -645,18 +638,16 @@ class ModelRunnerV2State:
         counts), ``pinned_bytes`` (the mirror's page-locked staging) and
         ``device_bytes`` (the mirror's device tensors and graph pool)."""
         t = self.table
-        seen = set()
-
-        def arrays(obj):
-            return sum(
-                a.nbytes
-                for a in vars(obj).values()
-                if isinstance(a, np.ndarray) and a.base is None and not (id(a) in seen or seen.add(id(a)))
-            )
-
-        host = arrays(t) + arrays(t._index)
-        if self.sampler_answers is not None:
-            host += arrays(self.sampler_answers) if hasattr(self.sampler_answers, "__dict__") else 0
+        owned = {}  # id -> nbytes of each array allocated here (not a view)
+        for obj in (t, t._index, self.sampler_answers):
+            if obj is None:
+                continue
+            names = vars(obj) if hasattr(obj, "__dict__") else type(obj).__slots__
+            for name in names:
+                a = getattr(obj, name, None)
+                if isinstance(a, np.ndarray) and a.base is None:
+                    owned[id(a)] = a.nbytes
+        host = sum(owned.values())
         stats = t.transfer_stats()
         return {
             "host_bytes": int(host),
@@ -678,8 +669,6 @@ class ModelRunnerV2State:
                 return self.table.device_idx_mapping()
             return self._idx_ring.upload(idx_mapping_np)
         except Exception as e:  # noqa: BLE001  (never the reason vLLM stops)
-            if not self.fallback:
-                raise
             self._failed("prepare_inputs", e)
             return _to_device(idx_mapping_np, self.runner.device)
 
